@@ -1,0 +1,41 @@
+# dynarl — the two commands of the quick start are `make demo` and `make test`.
+# Both create .venv and install everything the project needs from a fresh clone.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+export HYPOTHESIS_PROFILE ?= ci
+
+.PHONY: demo test test-slow lint bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: the CPU build on this machine's disk (an unpinned torch
+	# would pull a multi-GB CUDA build).
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,megatron,sglang]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dynarl demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check dynarl tests examples bench
+	$(VENV)/bin/ruff format --check dynarl tests examples bench
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+test: lint
+	$(PY) -m pytest -m "not slow" -p no:cacheprovider --durations=15
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow -p no:cacheprovider --durations=15
+
+bench: $(STAMP)
+	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .hypothesis

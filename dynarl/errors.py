@@ -1,0 +1,98 @@
+"""The one exception tree of dynarl.
+
+Every error dynarl raises on purpose derives from :class:`DynarlError`; bad user input
+raises :class:`ValueError` (or :class:`TypeError`) instead, at the call that received it.
+
+::
+
+    DynarlError
+     ├── BusError                  the message bus could not carry a message
+     │    ├── ProtocolError        a frame broke the wire protocol (bad bytes, tag, version, size)
+     │    ├── PeerLostError        a peer stopped answering heartbeats
+     │    ├── DeadlineExceeded     a request's deadline passed (also a TimeoutError)
+     │    └── RemoteError          the peer answered with an error reply
+     ├── SchedulingError           the decision plane could not produce a valid plan
+     ├── MigrationError            a migration failed; the previous allocation stays in force
+     │    ├── LeaseExpiredError    a migration's lease lapsed before commit
+     │    └── MigrationAborted     a migration was aborted on purpose (operator, safe mode)
+     ├── WorkerError               a worker or worker group failed outside a migration
+     └── BackendError              an engine or trainer backend (SGLang, Megatron) misbehaved
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "BusError",
+    "DeadlineExceeded",
+    "DynarlError",
+    "LeaseExpiredError",
+    "MigrationAborted",
+    "MigrationError",
+    "PeerLostError",
+    "ProtocolError",
+    "RemoteError",
+    "SchedulingError",
+    "WorkerError",
+]
+
+
+class DynarlError(Exception):
+    """Base class of every error dynarl raises on purpose."""
+
+
+class BusError(DynarlError):
+    """The message bus could not carry a message."""
+
+
+class ProtocolError(BusError):
+    """A frame or message broke the wire protocol.
+
+    Raised by decoders for malformed MessagePack, unknown tags, unsupported protocol
+    versions, wrong frame counts and oversize messages. The message says what was wrong.
+    """
+
+
+class PeerLostError(BusError):
+    """A peer stopped answering heartbeats; requests waiting on it fail with this."""
+
+    def __init__(self, peer: str, message: str | None = None) -> None:
+        super().__init__(message or f"peer {peer!r} was lost (missed heartbeats)")
+        self.peer = peer
+
+
+class DeadlineExceeded(BusError, TimeoutError):
+    """A request's deadline passed before its reply arrived."""
+
+
+class RemoteError(BusError):
+    """The peer received the request but answered with an error."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.remote_message = message
+
+
+class SchedulingError(DynarlError):
+    """The decision plane could not produce a valid plan."""
+
+
+class MigrationError(DynarlError):
+    """A migration failed; the previous allocation stays in force."""
+
+
+class LeaseExpiredError(MigrationError):
+    """A migration's lease lapsed before it committed."""
+
+
+class MigrationAborted(MigrationError):
+    """A migration was aborted on purpose (operator command, safe mode, newer plan)."""
+
+
+class WorkerError(DynarlError):
+    """A worker or worker group failed outside a migration."""
+
+
+class BackendError(DynarlError):
+    """An engine or trainer backend (SGLang, Megatron) misbehaved."""
