@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from dynarl.bus.records import ComponentReport, DecisionRecord, MigrationRecord, RejectedCandidate
+from dynarl.bus.records import (
+    ComponentReport,
+    DecisionRecord,
+    MigrationRecord,
+    RejectedCandidate,
+    WorkerMetrics,
+)
 
 __all__ = [
     "ComponentReport",
     "DecisionRecord",
     "MigrationRecord",
     "RejectedCandidate",
+    "WorkerMetrics",
 ]

@@ -16,7 +16,36 @@ __all__ = [
     "DecisionRecord",
     "MigrationRecord",
     "RejectedCandidate",
+    "WorkerMetrics",
 ]
+
+
+class WorkerMetrics(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """One worker's metrics over one reporting interval, sent to its group manager.
+
+    Managers aggregate these into one :class:`ComponentReport` per component per interval
+    (``dynarl.sched`` holds the aggregation), so the controller's load does not grow with
+    the number of workers.
+    """
+
+    component: str
+    """Logical component the worker belongs to."""
+    worker: int
+    """Worker index within the component (its position in ``ComponentReport.utilization``)."""
+    time: float
+    """End of the interval, seconds on the job clock."""
+    interval_s: float
+    """Length of the interval, seconds."""
+    utilization: float
+    """Utilization in [0, 1] (rollout: active KV tokens / KV capacity)."""
+    queue_depth: int = 0
+    """Items waiting in this worker's input queue."""
+    completed: int = 0
+    """Items this worker completed during the interval."""
+    in_flight: int = 0
+    """Items running on this worker now."""
+    interruptible: bool = True
+    """Whether this worker is at an interruptible point now."""
 
 
 class ComponentReport(msgspec.Struct, tag=True, frozen=True, kw_only=True):
