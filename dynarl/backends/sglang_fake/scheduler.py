@@ -331,8 +331,13 @@ class FakeScheduler:
 
     @staticmethod
     def _next_token(req: Req) -> int:
-        """Deterministic "sampling": a lowercase letter from the prompt and the position."""
-        return 97 + (sum(req.prompt) * 31 + 17 * len(req.output)) % 26
+        """Deterministic "sampling": a lowercase letter, a function of the sequence so far
+        (its last three tokens and its length), so a request continued elsewhere from its
+        partial output produces the same tokens as an uninterrupted one."""
+        sequence = req.prompt + req.output
+        tail = sequence[-3:]
+        mixed = sum((token + 1) * weight for token, weight in zip(tail, (7, 31, 17), strict=False))
+        return 97 + (mixed + 13 * len(sequence)) % 26
 
     def _release(self, req: Req, *, cache_output: bool) -> None:
         if cache_output and not self.config.disable_radix_cache:
