@@ -129,8 +129,13 @@ def merge_results(partial: GenerateResult, rest: GenerateResult | None) -> Gener
     if rest is None:
         length = len(partial.output_ids)
         return replace(partial, finish_reason=FinishReason(type="length", length=length))
+    reason = rest.finish_reason
+    if reason is not None and reason.type == "length" and reason.length is not None:
+        # The continuation's limit was what remained of the original one.
+        reason = replace(reason, length=reason.length + len(partial.output_ids))
     return replace(
         rest,
+        finish_reason=reason,
         text=partial.text + rest.text,
         output_ids=partial.output_ids + rest.output_ids,
         prompt_tokens=partial.prompt_tokens or rest.prompt_tokens,

@@ -204,6 +204,7 @@ class FakeSGLangServer:
         """Run scheduler iterations by hand (for ``step_interval_s=None``)."""
         for _ in range(num_steps):
             await self.scheduler.step()
+            await asyncio.sleep(0)  # let handlers see this iteration's outputs
 
     async def wait_until(
         self, predicate: Callable[[FakeScheduler], bool], timeout_s: float = 10.0
