@@ -79,7 +79,10 @@ def _rid() -> str:
 
 async def _until_running(engine: SGLangEngine, count: int = 1) -> None:
     async with asyncio.timeout(30):
-        while sum(r.num_running_reqs for r in (await engine.client.loads()).loads) < count:
+        while True:
+            loads = await engine.client.loads()
+            if sum(rank.num_running_reqs for rank in loads.loads) >= count:
+                return
             await asyncio.sleep(0.01)
 
 

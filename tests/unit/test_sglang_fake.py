@@ -174,7 +174,8 @@ def test_priority_orders_admission(enabled: bool, low_first: bool, expected: lis
         tasks = []
         for rid, priority in (("mid", 5), ("lo", 1), ("hi", 9)):
             tasks.append(await _submit(session, server.url, _gen(rid, [2], priority=priority)))
-            await server.wait_until(lambda s, n=len(tasks): len(s.waiting) == n)
+            queued = len(tasks)
+            await server.wait_until(lambda s, n=queued: len(s.waiting) == n)
         order: list[str] = []
         while len(order) < 3:
             await server.step()
