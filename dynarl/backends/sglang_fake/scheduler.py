@@ -94,9 +94,9 @@ class FakeScheduler:
         self.crashed: str | None = None
         self.changed = asyncio.Condition()
         self._seq = itertools.count()
-        self._cache_hit_rate = 0.0
-        self._total_prefill_uncached = 0
-        self._recent: deque[tuple[float, int]] = deque(maxlen=64)
+        self.cache_hit_rate = 0.0
+        self.total_prefill_uncached = 0
+        self.recent_tokens: deque[tuple[float, int]] = deque(maxlen=64)
 
     # ------------------------------------------------------------------ state
 
@@ -234,7 +234,7 @@ class FakeScheduler:
                 if req not in admitted:
                     generated += self._decode(req)
             generated += len(admitted)
-            self._recent.append((self.clock(), generated))
+            self.recent_tokens.append((self.clock(), generated))
         await self.notify()
 
     def _admit(self) -> list[Req]:
@@ -250,8 +250,8 @@ class FakeScheduler:
             admitted.append(req)
             self._emit_token(req)
         if total:
-            self._cache_hit_rate = hit / total
-            self._total_prefill_uncached += total - hit
+            self.cache_hit_rate = hit / total
+            self.total_prefill_uncached += total - hit
         return admitted
 
     def _try_admit(self, req: Req) -> bool:
@@ -431,58 +431,3 @@ class FakeScheduler:
     def _raise_if_crashed(self) -> None:
         if self.crashed:
             raise SchedulerCrashed(self.crashed)
-
-    # ------------------------------------------------------------------ /v1/loads
-
-    def load_snapshot(self, weight_gb: float) -> dict[str, Any]:
-        """This rank's ``LoadSnapshot.to_dict()`` (all sections that SGLang fills)."""
-        now = self.clock()
-        window = [(t, n) for t, n in self._recent if now - t <= 1.0]
-        span = (now - window[0][0]) if len(window) > 1 else 0.0
-        throughput = sum(n for _, n in window[1:]) / span if span > 0 else 0.0
-        used = self.num_used_tokens
-        waiting_tokens = sum(req.seqlen for req in self.waiting)
-        capacity = self.config.max_total_num_tokens
-        return {
-            "timestamp": now,
-            "dp_rank": 0,
-            "num_running_reqs": len(self.running),
-            "num_waiting_reqs": len(self.waiting),
-            "num_waiting_uncached_tokens": waiting_tokens,
-            "num_used_tokens": used,
-            "num_total_tokens": used + waiting_tokens,
-            "num_active_tokens": used + waiting_tokens,
-            "num_prealloc_ready_tokens": 0,
-            "max_total_num_tokens": capacity,
-            "max_running_requests": self.config.max_running_requests,
-            "token_usage": round(used / capacity, 4),
-            "gen_throughput": round(throughput, 2),
-            "cache_hit_rate": round(self._cache_hit_rate, 4),
-            "utilization": 0.0,
-            "total_prefill_uncached_tokens": self._total_prefill_uncached,
-            "total_prefill_busy_us": 0,
-            "decode_moments": None,
-            "memory": {
-                "weight_gb": round(weight_gb, 3),
-                "kv_cache_gb": 0.0,
-                "graph_gb": 0.0,
-                "token_capacity": capacity,
-            },
-            "disaggregation": {
-                "mode": "null",
-                "prefill_bootstrap_queue_reqs": 0,
-                "prefill_inflight_queue_reqs": 0,
-                "decode_prealloc_queue_reqs": 0,
-                "decode_transfer_queue_reqs": 0,
-                "decode_retracted_queue_reqs": 0,
-                "kv_transfer_speed_gb_s": 0.0,
-                "kv_transfer_latency_ms": 0.0,
-            },
-            "queues": {
-                "waiting": len(self.waiting),
-                "grammar": 0,
-                "paused": len(self.running) if self.engine_paused else 0,
-                "retracted": sum(1 for req in self.waiting if req.num_retractions),
-                "prealloc_ready": 0,
-            },
-        }

@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 Selector = Literal["target", "draft", "all"]
-_Body = TypeVar("_Body", bound=msgspec.Struct)
+Body = TypeVar("Body", bound=msgspec.Struct)
 
 
 class _BaseReq(msgspec.Struct, kw_only=True):
@@ -299,7 +299,7 @@ def sampling_params_contract_error(value: Any) -> str | None:
     return None
 
 
-def decode_body(raw: bytes, kind: type[_Body]) -> _Body:
+def decode_body(raw: bytes, kind: type[Body]) -> Body:
     """Decode a JSON request body the way SGLang's FastAPI routes do.
 
     Unknown keys are ignored; lax scalar coercion as pydantic's lax mode ("5" for an int).

@@ -1,4 +1,4 @@
-"""The fake engine's weights and weight-update groups.
+"""The fake engine's weights, weight-update groups and weight endpoints.
 
 Weights are kept as full HF-named tensors; ``/weights_checker`` reports them in SGLang's
 internal layout (fused ``qkv_proj``/``gate_up_proj``, TP shards) through the same
@@ -13,11 +13,13 @@ Runs on the fake server's event loop; blocking torch.distributed calls run in th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import torch
+from aiohttp import web
 from torch.distributed import ProcessGroup
 
 from dynarl.backends.sglang.buckets import Bucket, TensorMeta, dtype_from_name
@@ -34,10 +36,19 @@ from dynarl.backends.sglang.weight_sync import (
     receive_bucket,
     receive_tensor,
 )
+from dynarl.backends.sglang_fake import schema
+from dynarl.backends.sglang_fake.config import FakeSGLangConfig
+from dynarl.backends.sglang_fake.replies import json_reply, validation_error
+from dynarl.backends.sglang_fake.scheduler import FakeScheduler
 
-__all__ = ["FakeModel", "UpdateGroups"]
+__all__ = ["FakeModel", "UpdateGroups", "WeightEndpoints"]
 
 logger = logging.getLogger(__name__)
+
+_NOT_FLUSHED_AFTER_UPDATE = (
+    "Weights were updated, but the cache was not flushed because requests are still "
+    "running or queued. Retract or finish them, then call /flush_cache."
+)
 
 
 class FakeModel:
@@ -198,3 +209,150 @@ class UpdateGroups:
         """Destroy every group still joined."""
         for name in list(self.groups):
             await self.leave(name)
+
+
+async def _body(request: web.Request, kind: type[schema.Body]) -> schema.Body:
+    return schema.decode_body(await request.read(), kind)
+
+
+class WeightEndpoints:
+    """Weight-update groups, the begin/end session and ``/weights_checker``.
+
+    Updates hold the tokenizer's writer lock (they wait for in-flight requests and hold new
+    ones back) unless generation is paused, as ``tokenizer_control_mixin.py`` does.
+    """
+
+    def __init__(
+        self,
+        config: FakeSGLangConfig,
+        model: FakeModel,
+        scheduler: Callable[[], FakeScheduler],
+    ) -> None:
+        self.config = config
+        self.model = model
+        self._scheduler = scheduler
+        self._groups = UpdateGroups(tp_size=config.tp_size, timeout_s=config.group_timeout_s)
+        self._session: dict[str, Any] | None = None
+
+    @property
+    def scheduler(self) -> FakeScheduler:
+        """The running server's scheduler."""
+        return self._scheduler()
+
+    async def aclose(self) -> None:
+        """Leave every weight-update group."""
+        await self._groups.aclose()
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await _body(request, schema.InitWeightsUpdateGroupReqInput)
+        except ValueError as exc:
+            return validation_error(str(exc))
+        success, message = await self._groups.join(body)
+        return json_reply({"success": success, "message": message}, 200 if success else 400)
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await _body(request, schema.DestroyWeightsUpdateGroupReqInput)
+        except ValueError as exc:
+            return validation_error(str(exc))
+        success, message = await self._groups.leave(body.group_name)
+        return json_reply({"success": success, "message": message}, 200 if success else 400)
+
+    @contextlib.asynccontextmanager
+    async def _writer_lock(self) -> AsyncIterator[None]:
+        """The tokenizer's ``model_update_lock.writer_lock``, unless generation is paused."""
+        scheduler = self.scheduler
+        if scheduler.frontend_paused:
+            yield
+            return
+        scheduler.updating = True
+        try:
+            await scheduler.wait_drained()
+            yield
+        finally:
+            scheduler.updating = False
+            await scheduler.notify()
+
+    async def begin_update(self, request: web.Request) -> web.Response:
+        try:
+            body = await _body(request, schema.BeginWeightUpdateReqInput)
+        except ValueError as exc:
+            return validation_error(str(exc))
+        async with self._writer_lock():
+            if self._session is not None:
+                success, message = (
+                    False,
+                    ("a weight-update session is already open; call end_weight_update() first"),
+                )
+            else:
+                self._session = {"selector": body.selector, "loaded": False}
+                success, message = True, "Success"
+        return json_reply({"success": success, "message": message}, 200 if success else 400)
+
+    async def end_update(self, request: web.Request) -> web.Response:
+        try:
+            await _body(request, schema.EndWeightUpdateReqInput)
+        except ValueError as exc:
+            return validation_error(str(exc))
+        async with self._writer_lock():
+            if self._session is None:
+                success, message = (
+                    False,
+                    ("no weight-update session is open; call begin_weight_update() first"),
+                )
+            else:
+                self._session = None
+                success, message = True, "Success"
+        return json_reply({"success": success, "message": message}, 200 if success else 400)
+
+    async def update_distributed(self, request: web.Request) -> web.Response:
+        try:
+            body = await _body(request, schema.UpdateWeightsFromDistributedReqInput)
+        except ValueError as exc:
+            return validation_error(str(exc))
+        if body.abort_all_requests:
+            self.scheduler.abort("", abort_all=True)
+        async with self._writer_lock():
+            success, message = await self._receive_and_load(body)
+        if success and body.weight_version is not None:
+            message += f" Weight version updated to {body.weight_version}."
+        return json_reply({"success": success, "message": message}, 200 if success else 400)
+
+    async def _receive_and_load(
+        self, body: schema.UpdateWeightsFromDistributedReqInput
+    ) -> tuple[bool, str]:
+        if self._session is None:
+            return False, (
+                "update_weights_from_distributed must run between "
+                "begin_weight_update() and end_weight_update()"
+            )
+        try:
+            received = await self._groups.receive(body)
+        except Exception as exc:  # SGLang reports any receive failure in the message
+            return False, f"Failed to receive weights: {exc}"
+        success, message = self.model.load(received)
+        if not success:
+            return success, message
+        self._session["loaded"] = True
+        if body.weight_version is not None:
+            self.scheduler.weight_version = body.weight_version
+        if body.flush_cache and not self.scheduler.flush():
+            return False, _NOT_FLUSHED_AFTER_UPDATE
+        return True, message
+
+    async def weights_checker(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        try:
+            body = (
+                schema.decode_body(raw, schema.CheckWeightsReqInput)
+                if raw.strip()
+                else schema.CheckWeightsReqInput()
+            )
+        except ValueError as exc:
+            return validation_error(str(exc))
+        if body.action != "checksum":
+            message = f"FakeSGLangServer models only action='checksum', not {body.action!r}"
+            return json_reply({"success": False, "message": message}, 400)
+        reply = await asyncio.to_thread(self.model.checksum_reply, body.skip_tensor_list)
+        return json_reply(reply)
