@@ -16,6 +16,7 @@ import pathlib
 
 import pytest
 import torch
+from torch.distributed import distributed_c10d
 
 from dynarl.backends.sglang import (
     GPTLayout,
@@ -154,6 +155,7 @@ def test_push_weights_to_two_engines_lands_bit_for_bit(tmp_path: pathlib.Path) -
                     await client.aclose()
 
     asyncio.run(main())
+    assert not distributed_c10d._world.pg_map, "the trainer's group was not destroyed"
 
 
 def test_an_engine_that_refuses_to_join_fails_the_sync_within_the_deadline(tmp_path: pathlib.Path) -> None:
@@ -171,3 +173,4 @@ def test_an_engine_that_refuses_to_join_fails_the_sync_within_the_deadline(tmp_p
                 assert not (await client.end_weight_update()).success  # no session was left open
 
     asyncio.run(main())
+    assert not distributed_c10d._world.pg_map

@@ -32,8 +32,10 @@ from dynarl.backends.sglang import (
     plan_activate,
     plan_deactivate,
     plan_workload_drain,
+    rollout_report,
     worker_metrics,
 )
+from dynarl.bus import WorkerMetrics
 from dynarl.errors import BackendError
 from dynarl.testing import FakeSGLangConfig, FakeSGLangServer
 
@@ -210,6 +212,32 @@ def test_worker_metrics_pool_dp_ranks() -> None:
     assert metrics.utilization == pytest.approx(0.2)
     assert (metrics.queue_depth, metrics.in_flight, metrics.completed) == (5, 4, 7)
     assert metrics.cache_hit_rate == pytest.approx(0.3)
+
+
+def test_rollout_report_aggregates_engines_in_worker_order() -> None:
+    def worker(index: int, utilization: float, waiting: int, done: int) -> WorkerMetrics:
+        return WorkerMetrics(
+            component="rollout",
+            worker=index,
+            time=2.0,
+            interval_s=0.5,
+            utilization=utilization,
+            queue_depth=waiting,
+            completed=done,
+        )
+
+    report = rollout_report(
+        "rollout",
+        [worker(1, 0.9, 2, 3), worker(0, 0.1, 1, 1)],
+        time=2.0,
+        interval_s=0.5,
+        remaining=7,
+    )
+    assert report.utilization == (0.1, 0.9)
+    assert (report.queue_depth, report.completed, report.throughput) == (3, 4, 8.0)
+    assert (report.kind, report.remaining) == ("rollout", 7)
+    with pytest.raises(ValueError, match="one WorkerMetrics per worker"):
+        rollout_report("rollout", [worker(0, 0, 0, 0)] * 2, time=0, interval_s=1)
 
 
 def test_plans_follow_the_hybrid_protocol() -> None:

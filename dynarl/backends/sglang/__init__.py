@@ -33,6 +33,7 @@ from dynarl.backends.sglang.engine import (
     SGLangEngine,
     continuation,
     merge_results,
+    rollout_report,
     worker_metrics,
 )
 from dynarl.backends.sglang.hf_layout import (
@@ -176,6 +177,7 @@ __all__ = [
     "push_weights",
     "receive_bucket",
     "receive_tensor",
+    "rollout_report",
     "sglang_rank_params",
     "split_gated_fc1",
     "split_qkv",

@@ -29,14 +29,16 @@ from dynarl.backends.sglang.wire import (
     LoadsReply,
     PauseMode,
 )
-from dynarl.bus.records import WorkerMetrics
+from dynarl.bus.records import ComponentReport, WorkerMetrics
 from dynarl.errors import BackendError
+from dynarl.types import ComponentKind
 
 __all__ = [
     "CachedTokensSink",
     "SGLangEngine",
     "continuation",
     "merge_results",
+    "rollout_report",
     "worker_metrics",
 ]
 
@@ -90,6 +92,42 @@ def worker_metrics(
         in_flight=sum(rank.num_running_reqs for rank in ranks),
         interruptible=interruptible,
         cache_hit_rate=hit_rate,
+    )
+
+
+def rollout_report(
+    component: str,
+    workers: Sequence[WorkerMetrics],
+    *,
+    time: float,
+    interval_s: float,
+    remaining: int = 0,
+    iteration: int = 0,
+) -> ComponentReport:
+    """One interval's :class:`~dynarl.bus.ComponentReport` from its engines' metrics.
+
+    Utilization stays per worker (Stage 1 needs it), in worker order; queue depths and
+    completions add up; throughput is completions per second. Raises ValueError if the
+    metrics belong to another component or repeat a worker.
+    """
+    if any(metrics.component != component for metrics in workers):
+        raise ValueError(f"metrics of another component than {component!r}")
+    ordered = sorted(workers, key=lambda metrics: metrics.worker)
+    if len({metrics.worker for metrics in ordered}) != len(ordered):
+        raise ValueError("one WorkerMetrics per worker")
+    completed = sum(metrics.completed for metrics in ordered)
+    return ComponentReport(
+        component=component,
+        kind=ComponentKind.ROLLOUT.value,
+        time=time,
+        interval_s=interval_s,
+        utilization=tuple(metrics.utilization for metrics in ordered),
+        queue_depth=sum(metrics.queue_depth for metrics in ordered),
+        throughput=completed / interval_s if interval_s > 0 else 0.0,
+        completed=completed,
+        remaining=remaining,
+        interruptible=all(metrics.interruptible for metrics in ordered),
+        iteration=iteration,
     )
 
 

@@ -267,7 +267,9 @@ async def push_weights(
 
     Sequence: group init (engines and trainer together) → ``begin_weight_update`` → per
     bucket ``update_weights_from_distributed`` on every engine paired with the broadcast →
-    ``end_weight_update`` → group destroyed (also on failure). Raises BackendError when an
+    ``end_weight_update`` → group destroyed (also on failure). Pause or drain the engines
+    first: an engine that is serving makes each update wait for its in-flight requests
+    (SGLang's writer lock). Raises BackendError when an
     engine refuses a step or a collective times out (an engine that refuses to join leaves
     the trainer's rendezvous waiting until ``group_timeout_s``); the engines then hold
     partly updated weights and must be synced again.
