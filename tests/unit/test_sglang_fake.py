@@ -70,6 +70,13 @@ def test_unknown_sampling_params_are_refused_with_sglangs_text() -> None:
         request["sampling_params"] = {"max_new_tokens": "many"}
         status, body = await _post(session, f"{server.url}/generate", request)
         assert (status, body["error"]) == (400, 'invalid type: string "many", expected i64')
+        # Lax body validation would take "5"; the contract gate on the raw JSON does not.
+        request = {"input_ids": [1], "priority": "5"}
+        status, body = await _post(session, f"{server.url}/generate", request)
+        assert (status, body["error"]) == (400, 'invalid type: string "5", expected i64')
+        request = {"input_ids": [1, 2.5]}
+        status, body = await _post(session, f"{server.url}/generate", request)
+        assert (status, body["error"]) == (400, "invalid type: floating point `2.5`, expected i64")
 
     _run(test)
 

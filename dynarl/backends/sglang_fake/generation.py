@@ -47,7 +47,7 @@ class GenerationEndpoints:
             body = schema.decode_body(raw, schema.GenerateReqInput)
         except ValueError as exc:
             return validation_error(str(exc))
-        contract_error = schema.sampling_params_contract_error(body.sampling_params)
+        contract_error = schema.generate_contract_error(msgspec.json.decode(raw))
         if contract_error is not None:
             return json_reply({"error": contract_error}, 400)
         if (

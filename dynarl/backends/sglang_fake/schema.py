@@ -22,7 +22,8 @@ How SGLang refuses a body, reproduced by :func:`decode_body` and
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from collections.abc import Callable
+from typing import Any, Literal, TypeAlias, TypeVar
 
 import msgspec
 
@@ -42,6 +43,7 @@ __all__ = [
     "ResumeMemoryOccupationReqInput",
     "UpdateWeightsFromDistributedReqInput",
     "decode_body",
+    "generate_contract_error",
     "sampling_params_contract_error",
 ]
 
@@ -273,20 +275,7 @@ def _type_error(key: str, value: Any) -> str | None:
     return None
 
 
-def sampling_params_contract_error(value: Any) -> str | None:
-    """The contract gate's error text for a ``sampling_params`` value, or None if it passes.
-
-    Mirrors ``decode_SamplingParams``: unknown keys are refused with serde's text, scalar
-    keys are type-checked (the nested ``watermark``/``stop`` shapes are not).
-    """
-    if value is None:
-        return None
-    if isinstance(value, list):
-        for item in value:
-            error = sampling_params_contract_error(item)
-            if error is not None:
-                return error
-        return None
+def _sampling_error(value: Any) -> str | None:
     if not isinstance(value, dict):
         return f"invalid type: {_unexpected(value)}, expected struct SamplingParams"
     for key, item in value.items():
@@ -294,6 +283,131 @@ def sampling_params_contract_error(value: Any) -> str | None:
             listed = ", ".join(f"`{name}`" for name in SAMPLING_PARAMS_DEFAULTS)
             return f"unknown field `{key}`, expected one of {listed}"
         error = _type_error(key, item)
+        if error is not None:
+            return error
+    return None
+
+
+def sampling_params_contract_error(value: Any) -> str | None:
+    """The contract gate's error text for a ``sampling_params`` value, or None if it passes.
+
+    Mirrors ``decode_SamplingParamsOrList``: unknown keys are refused with serde's text,
+    scalar keys are type-checked (the nested ``watermark``/``stop`` shapes are not).
+    """
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return next((e for e in map(_sampling_error, value) if e is not None), None)
+    if not isinstance(value, dict):
+        return _invalid(value, "a value or an array of values for SamplingParamsOrList")
+    return _sampling_error(value)
+
+
+def _invalid(value: Any, expected: str) -> str:
+    return f"invalid type: {_unexpected(value)}, expected {expected}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_Check: TypeAlias = Callable[[Any], str | None]
+_KINDS: dict[str, Callable[[Any], bool]] = {
+    "int": _is_int,
+    "str": lambda value: isinstance(value, str),
+    "bool": lambda value: isinstance(value, bool),
+}
+
+
+def _scalar(kind: str, expected: str, nullable: bool = True) -> _Check:
+    test = _KINDS[kind]
+
+    def check(value: Any) -> str | None:
+        if value is None and nullable:
+            return None
+        return None if test(value) else _invalid(value, expected)
+
+    return check
+
+
+def _or_list(kind: str, name: str, item: str) -> _Check:
+    scalar, element = (
+        _scalar(kind, f"a value or an array of values for {name}"),
+        _scalar(kind, item),
+    )
+
+    def check(value: Any) -> str | None:
+        if isinstance(value, list):
+            errors = [element(item) for item in value]
+            return next((error for error in errors if error is not None), None)
+        return scalar(value)
+
+    return check
+
+
+def _token_ids(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        return _invalid(value, "a value or an array of values for TokenIdsOrList")
+    flat = not value or (isinstance(value[0], int | float) and not isinstance(value[0], bool))
+    for row in [value] if flat else value:
+        if not isinstance(row, list):
+            return _invalid(row, "a sequence")
+        for token in row:
+            if not _is_int(token):
+                return _invalid(token, "i64")
+    return None
+
+
+def _unsigned(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not _is_int(value):
+        return _invalid(value, "u64")
+    return None if value >= 0 else f"invalid value: integer `{value}`, expected u64"
+
+
+_GENERATE_CHECKS: dict[str, _Check] = {
+    "rid": _or_list("str", "StringOrList", "a string"),
+    "text": _or_list("str", "StringOrList", "a string"),
+    "input_ids": _token_ids,
+    "stream": _scalar("bool", "a boolean"),
+    "sampling_params": sampling_params_contract_error,
+    "return_logprob": _or_list("bool", "BoolOrList", "a boolean"),
+    "logprob_start_len": _or_list("int", "Int64OrList", "i64"),
+    "top_logprobs_num": _or_list("int", "Int64OrList", "i64"),
+    "token_ids_logprob": _token_ids,
+    "return_hidden_states": _or_list("bool", "BoolOrList", "a boolean"),
+    "return_text_in_logprobs": _scalar("bool", "a boolean"),
+    "routed_dp_rank": _scalar("int", "i64"),
+    "disagg_prefill_dp_rank": _scalar("int", "i64"),
+    "extra_key": _or_list("str", "StringOrList", "a string"),
+    "priority": _scalar("int", "i64"),
+    "cache_salt": _or_list("str", "StringOrList", "a string"),
+    "require_reasoning": _scalar("bool", "a boolean"),
+    "routing_key": _scalar("str", "a string"),
+    "max_thinking_tokens": _unsigned,
+    "session_id": _scalar("str", "a string"),
+    "return_prompt_token_ids": _scalar("bool", "a boolean", nullable=False),
+    "routed_experts_start_len": _scalar("int", "i64", nullable=False),
+    "return_sampling_mask": _or_list("bool", "BoolOrList", "a boolean"),
+}
+
+
+def generate_contract_error(body: Any) -> str | None:
+    """The ``/generate`` JSON contract gate (``api_contract.generate_contract_error``).
+
+    Runs on the raw JSON after the lax body validation passed; checks keys in body order and
+    reports the first violation with the generated decoder's text. Covers the keys dynarl
+    and common clients send (scalars, token ids, ``sampling_params``); the media, LoRA,
+    bootstrap and KV-hint shapes are not checked here.
+    """
+    if not isinstance(body, dict):
+        return _invalid(body, "struct GenerateRequest")
+    for key, value in body.items():
+        check = _GENERATE_CHECKS.get(key)
+        error = check(value) if check is not None else None
         if error is not None:
             return error
     return None
