@@ -1,7 +1,7 @@
 """``/generate`` of the fake: validation as SGLang does it, then the simulated scheduler.
 
 Order of checks (as in ``http_server.py`` and ``tokenizer_manager.py``): body validation
-(400 ``ErrorResponse``), the JSON contract on ``sampling_params`` (400 ``{"error": text}``),
+(400 ``ErrorResponse``), the JSON contract gate on the raw body (400 ``{"error": text}``),
 then the tokenizer manager's checks (400 ``{"error": {"message": ...}}``): inputs, rid
 uniqueness (before waiting out a pause), lengths (after). A streamed request reports the
 tokenizer manager's errors as an ``{"error": ...}`` event with status 200, as SGLang does.
@@ -42,6 +42,7 @@ class GenerationEndpoints:
         return self._scheduler()
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        """``POST``/``PUT /generate``: one request, JSON reply or server-sent events."""
         raw = await request.read()
         try:
             body = schema.decode_body(raw, schema.GenerateReqInput)
