@@ -46,6 +46,8 @@ class WorkerMetrics(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Items running on this worker now."""
     interruptible: bool = True
     """Whether this worker is at an interruptible point now."""
+    cache_hit_rate: float = 0.0
+    """Share of prefill tokens served from the prefix cache, in [0, 1] (rollout engines)."""
 
 
 class ComponentReport(msgspec.Struct, tag=True, frozen=True, kw_only=True):
