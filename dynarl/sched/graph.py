@@ -151,6 +151,16 @@ class HyperNode:
         sizes.extend(d * self.unit for d in dps)
         return tuple(sizes)
 
+    def num_valid_sizes(self, low: int, high: int) -> int:
+        """How many valid sizes lie in [low, high] (what :meth:`valid_sizes` may thin out)."""
+        high = min(high, self.max_devices if self.max_devices is not None else high)
+        lo_dp = max(1, math.ceil(max(low, self.min_devices) / self.unit))
+        hi_dp = high // self.unit
+        zero = 1 if max(low, 0) == 0 and self.min_devices == 0 else 0
+        if self.dp_sizes:
+            return zero + sum(1 for d in self.dp_sizes if lo_dp <= d <= hi_dp)
+        return zero + max(0, hi_dp - lo_dp + 1)
+
     def bytes_per_device(self, num_devices: int) -> float:
         """State bytes one device holds when the component has ``num_devices`` devices."""
         if num_devices == 0 or self.state_bytes == 0:
