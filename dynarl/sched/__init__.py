@@ -35,8 +35,13 @@ from dynarl.sched.graph import (
     HyperNode,
     Node,
 )
+from dynarl.sched.ledger import (
+    Ledger,
+    LedgerRecord,
+)
 from dynarl.sched.placement import (
     place,
+    release_devices,
 )
 from dynarl.sched.planner import (
     decide,
@@ -49,6 +54,22 @@ from dynarl.sched.predictor import (
     RegressionPredictor,
     ThroughputPredictor,
     fit_power_law,
+)
+from dynarl.sched.safety import (
+    Safety,
+)
+from dynarl.sched.scheduler import (
+    Clock,
+    CommandSink,
+    ManualClock,
+    MigrationCommand,
+    MonotonicClock,
+    MoveOutcome,
+    OperatorCommand,
+    QuotaChange,
+    Scheduler,
+    SchedulerEvent,
+    Tick,
 )
 from dynarl.sched.telemetry import (
     MetricsBuffer,
@@ -65,6 +86,8 @@ __all__ = [
     "Affinity",
     "Candidate",
     "ChannelUse",
+    "Clock",
+    "CommandSink",
     "ComponentProfile",
     "ComponentStats",
     "CostEstimate",
@@ -78,17 +101,29 @@ __all__ = [
     "HyperEdge",
     "HyperNode",
     "Hypergraph",
+    "Ledger",
+    "LedgerRecord",
+    "ManualClock",
     "MetricsBuffer",
+    "MigrationCommand",
     "MigrationCost",
+    "MonotonicClock",
+    "MoveOutcome",
     "Node",
+    "OperatorCommand",
     "PredictorConfig",
     "ProfilePoint",
+    "QuotaChange",
     "RegressionPredictor",
     "Rejection",
     "Resize",
+    "Safety",
+    "Scheduler",
     "SchedulerConfig",
+    "SchedulerEvent",
     "StaticMigrationCost",
     "ThroughputPredictor",
+    "Tick",
     "UnresolvedSite",
     "WindowSet",
     "aggregate_metrics",
@@ -100,4 +135,5 @@ __all__ = [
     "fit_power_law",
     "hold",
     "place",
+    "release_devices",
 ]

@@ -23,7 +23,7 @@ from dynarl.sched.decision import DeviceMove
 from dynarl.sched.graph import HyperNode
 from dynarl.types import Allocation
 
-__all__ = ["place"]
+__all__ = ["place", "release_devices"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -89,6 +89,14 @@ def place(
     )
 
 
+def release_devices(devices: Sequence[int], count: int, tp: int, per_node: int) -> list[int]:
+    """``count`` of ``devices`` to give up: whole TP groups, sparsest nodes first."""
+    if count <= 0:
+        return []
+    held = np.asarray(devices, dtype=np.int64)
+    return sorted(_release(held, count, tp, per_node, tp).tolist())
+
+
 def _release(held: IntArray, count: int, tp: int, per_node: int, block: int) -> IntArray:
     """``count`` devices of ``held``, sparsest nodes first.
 
@@ -118,7 +126,8 @@ def _release(held: IntArray, count: int, tp: int, per_node: int, block: int) -> 
         order = np.lexsort((-rank, -chunk, -node, node_count))
         order = order[~chosen[order]]
         chosen[order[:rest]] = True
-    return held[chosen]
+    released: IntArray = held[chosen]
+    return released
 
 
 def _take(
