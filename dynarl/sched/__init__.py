@@ -55,6 +55,19 @@ from dynarl.sched.predictor import (
     ThroughputPredictor,
     fit_power_law,
 )
+from dynarl.sched.requests import (
+    FifoPolicy,
+    LeastAttainedServicePolicy,
+    PriorityPolicy,
+    QueuedRequest,
+    RequestPolicy,
+    RequestQueue,
+)
+from dynarl.sched.router import (
+    DataRouter,
+    RoutedItem,
+    Routing,
+)
 from dynarl.sched.safety import (
     Safety,
 )
@@ -91,6 +104,7 @@ __all__ = [
     "ComponentProfile",
     "ComponentStats",
     "CostEstimate",
+    "DataRouter",
     "Decision",
     "DeviceMove",
     "DonorSignal",
@@ -98,9 +112,11 @@ __all__ = [
     "ExtractedComponent",
     "ExtractedEdge",
     "ExtractedGraph",
+    "FifoPolicy",
     "HyperEdge",
     "HyperNode",
     "Hypergraph",
+    "LeastAttainedServicePolicy",
     "Ledger",
     "LedgerRecord",
     "ManualClock",
@@ -112,11 +128,17 @@ __all__ = [
     "Node",
     "OperatorCommand",
     "PredictorConfig",
+    "PriorityPolicy",
     "ProfilePoint",
+    "QueuedRequest",
     "QuotaChange",
     "RegressionPredictor",
     "Rejection",
+    "RequestPolicy",
+    "RequestQueue",
     "Resize",
+    "RoutedItem",
+    "Routing",
     "Safety",
     "Scheduler",
     "SchedulerConfig",
