@@ -35,9 +35,29 @@ from dynarl.sched.graph import (
     HyperNode,
     Node,
 )
+from dynarl.sched.hybrid import (
+    DefaultHybridPolicy,
+    DynamicScheduleContext,
+    FixedRatioPolicy,
+    HybridPolicy,
+    StaticFullyAsyncPolicy,
+    build_policy,
+    register_policy,
+    registered_policies,
+)
 from dynarl.sched.ledger import (
     Ledger,
     LedgerRecord,
+)
+from dynarl.sched.metrics import (
+    TRAIN_COMPUTE_KEYS,
+    DynamicResourceMetrics,
+    RolloutUtilization,
+    resource_utilization,
+    rollout_capacity,
+    rollout_resource_utilization,
+    train_compute_time,
+    train_resource_utilization,
 )
 from dynarl.sched.placement import (
     place,
@@ -54,6 +74,12 @@ from dynarl.sched.predictor import (
     RegressionPredictor,
     ThroughputPredictor,
     fit_power_law,
+)
+from dynarl.sched.replicas import (
+    HybridController,
+    HybridReplicas,
+    HybridState,
+    StepTimings,
 )
 from dynarl.sched.requests import (
     FifoPolicy,
@@ -96,6 +122,7 @@ from dynarl.sched.window import (
 )
 
 __all__ = [
+    "TRAIN_COMPUTE_KEYS",
     "Affinity",
     "Candidate",
     "ChannelUse",
@@ -106,13 +133,21 @@ __all__ = [
     "CostEstimate",
     "DataRouter",
     "Decision",
+    "DefaultHybridPolicy",
     "DeviceMove",
     "DonorSignal",
+    "DynamicResourceMetrics",
+    "DynamicScheduleContext",
     "Evaluation",
     "ExtractedComponent",
     "ExtractedEdge",
     "ExtractedGraph",
     "FifoPolicy",
+    "FixedRatioPolicy",
+    "HybridController",
+    "HybridPolicy",
+    "HybridReplicas",
+    "HybridState",
     "HyperEdge",
     "HyperNode",
     "Hypergraph",
@@ -137,19 +172,23 @@ __all__ = [
     "RequestPolicy",
     "RequestQueue",
     "Resize",
+    "RolloutUtilization",
     "RoutedItem",
     "Routing",
     "Safety",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerEvent",
+    "StaticFullyAsyncPolicy",
     "StaticMigrationCost",
+    "StepTimings",
     "ThroughputPredictor",
     "Tick",
     "UnresolvedSite",
     "WindowSet",
     "aggregate_metrics",
     "assess",
+    "build_policy",
     "decide",
     "detect_donors",
     "evaluate",
@@ -157,5 +196,12 @@ __all__ = [
     "fit_power_law",
     "hold",
     "place",
+    "register_policy",
+    "registered_policies",
     "release_devices",
+    "resource_utilization",
+    "rollout_capacity",
+    "rollout_resource_utilization",
+    "train_compute_time",
+    "train_resource_utilization",
 ]
