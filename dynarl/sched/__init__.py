@@ -8,6 +8,8 @@ from dynarl.sched.candidates import (
     evaluate,
 )
 from dynarl.sched.config import (
+    Estimator,
+    PredictorConfig,
     SchedulerConfig,
 )
 from dynarl.sched.decision import (
@@ -19,6 +21,18 @@ from dynarl.sched.decision import (
     Rejection,
     Resize,
     StaticMigrationCost,
+)
+from dynarl.sched.events import (
+    Clock,
+    CommandSink,
+    ManualClock,
+    MigrationCommand,
+    MonotonicClock,
+    MoveOutcome,
+    OperatorCommand,
+    QuotaChange,
+    SchedulerEvent,
+    Tick,
 )
 from dynarl.sched.extract import (
     ChannelUse,
@@ -64,12 +78,12 @@ from dynarl.sched.placement import (
     release_devices,
 )
 from dynarl.sched.planner import (
+    Safety,
     decide,
     hold,
 )
 from dynarl.sched.predictor import (
     ComponentProfile,
-    PredictorConfig,
     ProfilePoint,
     RegressionPredictor,
     ThroughputPredictor,
@@ -94,21 +108,8 @@ from dynarl.sched.router import (
     RoutedItem,
     Routing,
 )
-from dynarl.sched.safety import (
-    Safety,
-)
 from dynarl.sched.scheduler import (
-    Clock,
-    CommandSink,
-    ManualClock,
-    MigrationCommand,
-    MonotonicClock,
-    MoveOutcome,
-    OperatorCommand,
-    QuotaChange,
     Scheduler,
-    SchedulerEvent,
-    Tick,
 )
 from dynarl.sched.telemetry import (
     MetricsBuffer,
@@ -138,6 +139,7 @@ __all__ = [
     "DonorSignal",
     "DynamicResourceMetrics",
     "DynamicScheduleContext",
+    "Estimator",
     "Evaluation",
     "ExtractedComponent",
     "ExtractedEdge",

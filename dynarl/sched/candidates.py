@@ -31,6 +31,7 @@ from dynarl.sched.decision import Candidate, MigrationCost, Resize
 from dynarl.sched.graph import HyperNode
 from dynarl.sched.predictor import ThroughputPredictor
 from dynarl.sched.window import ComponentStats
+from dynarl.types import MigrationKind
 
 __all__ = ["Evaluation", "assess", "evaluate"]
 
@@ -76,11 +77,13 @@ class _Context:
         node, now = self.nodes[name], self.counts[name]
         if node.num_valid_sizes(low, high) > self.config.num_size_points:
             self.truncated = True
-        sizes = np.array(
+        sizes: IntArray = np.array(
             sorted({now, *node.valid_sizes(low, high, self.config.num_size_points)}),
             dtype=np.int64,
         )
-        if node.state_bytes and node.migration.value == "p2p":
+        # A change must be whole TP groups (only bites when the current size is off-grid).
+        sizes = sizes[(sizes - now) % node.tp == 0]
+        if node.state_bytes and node.migration is MigrationKind.P2P:
             per = np.array([node.bytes_per_device(int(s)) for s in sizes])
             peak = np.where(
                 (sizes != now) & (sizes > 0) & (now > 0), per + node.bytes_per_device(now), per
@@ -126,10 +129,8 @@ def evaluate(
         levels, sizes = _levels(ctx, donor or None, movable - set(donor_list), known, current)
         num_levels += len(levels)
         exhaustive &= len(levels) <= limit
-        for index in _pick(len(levels), limit):
-            cand = _candidate(
-                ctx, donor or None, sizes[index], known, _free_after(ctx, sizes[index])
-            )
+        picked = [sizes[index] for index in _pick(len(levels), limit)]
+        for cand in _candidates(ctx, donor or None, picked, known):
             found.setdefault(cand.sizes, _charge(cand, current, ctx, cost))
     exhaustive &= not ctx.truncated
     ranked = sorted(found.values(), key=lambda c: _rank(c, ctx.counts))
@@ -216,40 +217,53 @@ def _levels(
     candidates = np.unique(np.concatenate(pool)) if pool else np.zeros(0)
     candidates = candidates[np.isfinite(candidates) & (candidates > current.pipeline_rate)]
     candidates = candidates[candidates <= ceiling]
-    levels: list[float] = []
-    plans: list[dict[str, int]] = []
-    for level in candidates.tolist():
-        plan = _reach(ctx, level, donor, d_sizes, d_rates, ladders)
-        if plan is not None and plan not in plans:
-            levels.append(level)
-            plans.append(plan)
-    return levels, plans
+    return _reach_all(ctx, candidates, donor, d_sizes, d_rates, ladders)
 
 
-def _reach(
+def _reach_all(
     ctx: _Context,
-    level: float,
+    levels: FloatArray,
     donor: str | None,
     d_sizes: IntArray,
     d_rates: FloatArray,
     ladders: dict[str, tuple[IntArray, FloatArray]],
-) -> dict[str, int] | None:
-    """Sizes reaching ``level`` with the fewest devices moved, or None if impossible."""
-    plan = dict(ctx.counts)
-    need = -ctx.num_free
+) -> tuple[list[float], list[dict[str, int]]]:
+    """For every level at once: the sizes reaching it with the fewest devices moved.
+
+    Each receiver takes its smallest size whose best rate reaches the level; the donor
+    keeps its largest size that still reaches it and frees what the receivers need.
+    Levels no allocation reaches are dropped, and so are levels whose allocation a lower
+    level already reaches (ascending order is kept).
+    """
+    counts = ctx.counts
+    need = np.full(levels.shape[0], -ctx.num_free, dtype=np.int64)
+    feasible = np.ones(levels.shape[0], dtype=bool)
+    columns: dict[str, IntArray] = {}
     for name, (sizes, best) in ladders.items():
-        index = int(np.searchsorted(best, level, side="left"))
-        if index >= sizes.shape[0]:
-            return None
-        plan[name] = int(sizes[index])
-        need += plan[name] - ctx.counts[name]
+        index = np.searchsorted(best, levels, side="left")
+        feasible &= index < sizes.shape[0]
+        columns[name] = sizes[np.minimum(index, sizes.shape[0] - 1)]
+        need += columns[name] - counts[name]
     if donor is None:
-        return plan if need <= 0 else None
-    ok = (d_sizes <= ctx.counts[donor] - max(need, 0)) & (d_rates >= level)
-    if not ok.any():
-        return None
-    plan[donor] = int(d_sizes[ok].max())
-    return plan
+        feasible &= need <= 0
+    else:
+        limit = counts[donor] - np.maximum(need, 0)
+        ok = (d_sizes[None, :] <= limit[:, None]) & (d_rates[None, :] >= levels[:, None])
+        feasible &= ok.any(axis=1)
+        columns[donor] = np.where(ok, d_sizes[None, :], -1).max(axis=1)
+    if not columns or not feasible.any():
+        return [], []
+    names = sorted(columns)
+    table = np.stack([columns[n] for n in names], axis=1)[feasible]
+    kept_levels = levels[feasible]
+    _, first = np.unique(table, axis=0, return_index=True)
+    first.sort()
+    plans = []
+    for row in table[first].tolist():
+        plan = dict(counts)
+        plan.update(zip(names, row, strict=True))
+        plans.append(plan)
+    return kept_levels[first].tolist(), plans
 
 
 def _free_after(ctx: _Context, sizes: Mapping[str, int]) -> int:
@@ -259,22 +273,39 @@ def _free_after(ctx: _Context, sizes: Mapping[str, int]) -> int:
 def _candidate(
     ctx: _Context, donor: str | None, sizes: dict[str, int], known: set[str], num_free: int
 ) -> Candidate:
-    throughput = {n: ctx.throughput(n, sizes[n]) for n in sorted(known)}
-    rates = {
-        n: (math.inf if ctx.stats[n].remaining <= 0 else throughput[n] / ctx.stats[n].remaining)
-        for n in throughput
-    }
-    bottleneck = min(rates, key=lambda n: (rates[n], n)) if rates else None
-    rate = rates[bottleneck] if bottleneck is not None else math.inf
-    return Candidate(
-        donor=donor,
-        sizes=tuple(sorted(sizes.items())),
-        throughput=tuple(throughput.items()),
-        pipeline_rate=rate,
-        remaining_s=0.0 if math.isinf(rate) else (math.inf if rate <= 0 else 1.0 / rate),
-        bottleneck=bottleneck if bottleneck is not None and math.isfinite(rate) else None,
-        num_free=num_free,
-    )
+    return _candidates(ctx, donor, [sizes], known)[0]
+
+
+def _candidates(
+    ctx: _Context, donor: str | None, plans: list[dict[str, int]], known: set[str]
+) -> list[Candidate]:
+    """Predicted numbers of each plan (one predictor call per component for all plans)."""
+    names = sorted(known)
+    throughput: dict[str, FloatArray] = {}
+    rates: dict[str, FloatArray] = {}
+    for name in names:
+        sizes = np.array([plan[name] for plan in plans], dtype=np.float64)
+        stats = ctx.stats[name]
+        f = np.asarray(ctx.predictor.predict(name, sizes, stats.latest), dtype=np.float64)
+        throughput[name] = f
+        rates[name] = f / stats.remaining if stats.remaining > 0 else np.full(f.shape, math.inf)
+    out = []
+    for i, plan in enumerate(plans):
+        row = {name: float(rates[name][i]) for name in names}
+        bottleneck = min(row, key=lambda n: (row[n], n)) if row else None
+        rate = row[bottleneck] if bottleneck is not None else math.inf
+        out.append(
+            Candidate(
+                donor=donor,
+                sizes=tuple(sorted(plan.items())),
+                throughput=tuple((name, float(throughput[name][i])) for name in names),
+                pipeline_rate=rate,
+                remaining_s=0.0 if math.isinf(rate) else (math.inf if rate <= 0 else 1.0 / rate),
+                bottleneck=bottleneck if bottleneck is not None and math.isfinite(rate) else None,
+                num_free=_free_after(ctx, plan),
+            )
+        )
+    return out
 
 
 def _charge(cand: Candidate, current: Candidate, ctx: _Context, cost: MigrationCost) -> Candidate:

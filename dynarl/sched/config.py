@@ -1,4 +1,5 @@
-"""Settings of the decision plane: Stage 1 thresholds, Stage 2 limits, safety, topology.
+"""Settings of the decision plane: Stage 1 thresholds, Stage 2 limits, safety, topology,
+and how the default predictor fits.
 
 Defaults are the paper's (θ = 0.8, U_low = 0.2 inside the 0.1–0.3 plateau, T = 4 s inside
 the 2–8 s plateau). Every field is range-checked when the config is built.
@@ -8,8 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["SchedulerConfig"]
+__all__ = ["Estimator", "PredictorConfig", "SchedulerConfig"]
+
+Estimator = Literal["theil_sen", "huber", "ols"]
+"""Slope estimators of the default predictor."""
 
 _GIB = 1 << 30
 
@@ -82,6 +87,34 @@ class SchedulerConfig:
                 f"SchedulerConfig.stats_window_s {self.stats_window_s} must cover "
                 f"donor_window_s {self.donor_window_s}"
             )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PredictorConfig:
+    """How the default predictor fits."""
+
+    estimator: Estimator = "theil_sen"
+    """Slope estimator: ``theil_sen`` (default), ``huber`` or ``ols`` (for comparison)."""
+    num_online_samples: int = 64
+    """Recent measurements kept per component."""
+    num_level_samples: int = 5
+    """Online samples needed before they set the level instead of the profile."""
+    min_exponent: float = 0.05
+    """Lower clamp of the fitted exponent."""
+    max_exponent: float = 1.0
+    """Upper clamp of the fitted exponent (1: never super-linear)."""
+    num_error_samples: int = 32
+    """Recent prediction errors kept per component."""
+
+    def __post_init__(self) -> None:
+        if not 4 <= self.num_online_samples <= 100_000:
+            raise ValueError("PredictorConfig.num_online_samples must be in [4, 100000]")
+        if not 1 <= self.num_level_samples <= self.num_online_samples:
+            raise ValueError("PredictorConfig.num_level_samples must be in [1, num_online]")
+        if not 0 < self.min_exponent <= self.max_exponent <= 2.0:
+            raise ValueError("PredictorConfig: need 0 < min_exponent <= max_exponent <= 2")
+        if self.num_error_samples < 1:
+            raise ValueError("PredictorConfig.num_error_samples must be >= 1")
 
 
 def _check_range(name: str, value: float, low: float, high: float, low_open: bool = False) -> None:

@@ -12,7 +12,6 @@ with numpy; pure.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -42,51 +41,60 @@ def place(
     when there are not enough devices.
     """
     per_node = devices_per_node
-    pool_devices: list[IntArray] = [np.asarray(sorted(free), dtype=np.int64)]
-    pool_sources: list[str | None] = [None]
-    growers: list[tuple[str, int]] = []
-    widest = max((nodes[n].tp for n in sizes if sizes[n] > allocation.count(n)), default=1)
-    for name in sorted(sizes):
-        held = np.asarray(allocation.devices(name), dtype=np.int64)
-        change = sizes[name] - held.shape[0]
-        tp = nodes[name].tp
-        if change % tp:
+    changes = {name: sizes[name] - allocation.count(name) for name in sorted(sizes)}
+    for name, change in changes.items():
+        if change % nodes[name].tp:
             raise SchedulingError(
-                f"{name}: a change of {change} devices is not whole TP groups of {tp}"
+                f"{name}: a change of {change} devices is not whole TP groups of {nodes[name].tp}"
             )
+    widest = max((nodes[n].tp for n, c in changes.items() if c > 0), default=1)
+    pools: list[IntArray] = [np.asarray(sorted(free), dtype=np.int64)]
+    sources: list[str | None] = [None]
+    for name, change in changes.items():
         if change < 0:
+            tp = nodes[name].tp
             block = math.lcm(tp, widest) if math.lcm(tp, widest) <= per_node else tp
-            pool_devices.append(_release(held, -change, tp, per_node, block))
-            pool_sources.append(name)
-        elif change > 0:
-            growers.append((name, change))
-    devices = np.concatenate(pool_devices)
-    sources = np.concatenate([np.full(d.shape[0], i) for i, d in enumerate(pool_devices)])
-    if sum(change for _, change in growers) > devices.shape[0]:
-        raise ValueError("the new sizes need more devices than are free or released")
+            devs = allocation.devices(name)
+            held = np.fromiter(devs, dtype=np.int64, count=len(devs))
+            pools.append(_release(held, -change, tp, per_node, block))
+            sources.append(name)
+    devices = np.concatenate(pools)
+    codes = np.concatenate([np.full(p.shape[0], i) for i, p in enumerate(pools)])
     order = np.argsort(devices, kind="stable")
-    devices, sources = devices[order], sources[order]
+    devices, codes = devices[order], codes[order]
+    growers = sorted(
+        ((n, c) for n, c in changes.items() if c > 0), key=lambda g: (-nodes[g[0]].tp, g[0])
+    )
+    if sum(c for _, c in growers) > devices.shape[0]:
+        raise ValueError("the new sizes need more devices than are free or released")
     taken = np.zeros(devices.shape[0], dtype=bool)
-    moves: dict[tuple[str | None, str | None], list[int]] = defaultdict(list)
-    growers.sort(key=lambda g: (-nodes[g[0]].tp, g[0]))
+    moves: list[DeviceMove] = []
     for name, change in growers:
-        picked = _take(devices, taken, change, nodes[name].tp, per_node, allocation.devices(name))
+        tp = nodes[name].tp
+        devs = allocation.devices(name)
+        already = np.fromiter(devs, dtype=np.int64, count=len(devs))
+        picked = _take(devices, taken, change, tp, per_node, already)
         if picked is None:
             raise SchedulingError(
-                f"{name} needs {change // nodes[name].tp} TP groups of {nodes[name].tp} devices "
-                f"inside single nodes; the free and released devices do not have them"
+                f"{name} needs {change // tp} TP groups of {tp} devices inside single "
+                "nodes; the free and released devices do not have them"
             )
+        picked.sort()
         taken[picked] = True
-        for index in picked.tolist():
-            moves[(pool_sources[int(sources[index])], name)].append(int(devices[index]))
-    for index in np.flatnonzero(~taken).tolist():
-        src = pool_sources[int(sources[index])]
-        if src is not None:
-            moves[(src, None)].append(int(devices[index]))
-    return tuple(
-        DeviceMove(src=src, dst=dst, devices=tuple(sorted(devs)))
-        for (src, dst), devs in sorted(moves.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1])))
-    )
+        moves += _grouped(devices[picked], codes[picked], sources, name)
+    left = np.flatnonzero(~taken)
+    moves += [m for m in _grouped(devices[left], codes[left], sources, None) if m.src is not None]
+    return tuple(sorted(moves, key=lambda m: (str(m.src), str(m.dst))))
+
+
+def _grouped(
+    devices: IntArray, codes: IntArray, sources: list[str | None], dst: str | None
+) -> list[DeviceMove]:
+    """One move per source of ``devices`` (ascending) towards ``dst``."""
+    return [
+        DeviceMove(src=sources[int(code)], dst=dst, devices=tuple(devices[codes == code].tolist()))
+        for code in np.unique(codes)
+    ]
 
 
 def release_devices(devices: Sequence[int], count: int, tp: int, per_node: int) -> list[int]:
@@ -104,7 +112,8 @@ def _release(held: IntArray, count: int, tp: int, per_node: int, block: int) -> 
     nodes, so a receiver can rebuild its groups from them; then whole TP groups for the
     rest.
     """
-    held = np.sort(held)
+    if held.shape[0] > 1 and bool(np.any(held[1:] < held[:-1])):
+        held = np.sort(held)
     node = held // per_node
     starts = np.r_[0, np.flatnonzero(np.diff(node)) + 1]
     lengths = np.diff(np.r_[starts, held.shape[0]])
@@ -136,23 +145,26 @@ def _take(
     count: int,
     tp: int,
     per_node: int,
-    already: Sequence[int],
+    already: IntArray,
 ) -> IntArray | None:
-    """Indices into ``devices`` of ``count // tp`` node-local groups of ``tp``, or None."""
+    """Indices into ``devices`` of ``count // tp`` node-local groups of ``tp``, or None.
+
+    Nodes the component already uses come first, then the tightest fit, then the lowest.
+    """
     free_idx = np.flatnonzero(~taken)
     node = devices[free_idx] // per_node
-    nodes, starts, counts = np.unique(node, return_index=True, return_counts=True)
-    mine = set((np.asarray(already, dtype=np.int64) // per_node).tolist())
-    rows = zip(nodes.tolist(), counts.tolist(), starts.tolist(), strict=True)
-    ranking = sorted((n not in mine, c, n, s) for n, c, s in rows if c >= tp)
-    groups = count // tp
-    picked: list[IntArray] = []
-    for _, c, _, s in ranking:
-        if groups == 0:
-            break
-        g = min(c // tp, groups)
-        picked.append(free_idx[s : s + g * tp])
-        groups -= g
-    if groups:
+    node_ids, starts, counts = np.unique(node, return_index=True, return_counts=True)
+    foreign = ~np.isin(node_ids, np.unique(already // per_node))
+    groups = counts // tp
+    order = np.lexsort((node_ids, counts, foreign))
+    order = order[groups[order] > 0]
+    available = groups[order]
+    wanted = count // tp
+    take = np.clip(wanted - (np.cumsum(available) - available), 0, available)
+    if int(take.sum()) < wanted:
         return None
-    return np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
+    chosen = take > 0
+    lengths = take[chosen] * tp
+    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    picked: IntArray = free_idx[np.repeat(starts[order][chosen], lengths) + offsets]
+    return picked

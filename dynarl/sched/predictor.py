@@ -22,16 +22,16 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from dynarl.bus.records import ComponentReport
+from dynarl.sched.config import Estimator, PredictorConfig
 
 __all__ = [
     "ComponentProfile",
-    "PredictorConfig",
     "ProfilePoint",
     "RegressionPredictor",
     "ThroughputPredictor",
@@ -39,7 +39,6 @@ __all__ = [
 ]
 
 FloatArray = npt.NDArray[np.float64]
-Estimator = Literal["theil_sen", "huber", "ols"]
 
 
 @runtime_checkable
@@ -98,34 +97,6 @@ class ComponentProfile:
         for p in self.points:
             if p.num_devices < 1 or p.throughput <= 0:
                 raise ValueError(f"ComponentProfile: bad point {p}")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PredictorConfig:
-    """How the default predictor fits."""
-
-    estimator: Estimator = "theil_sen"
-    """Slope estimator: ``theil_sen`` (default), ``huber`` or ``ols`` (for comparison)."""
-    num_online_samples: int = 64
-    """Recent measurements kept per component."""
-    num_level_samples: int = 5
-    """Online samples needed before they set the level instead of the profile."""
-    min_exponent: float = 0.05
-    """Lower clamp of the fitted exponent."""
-    max_exponent: float = 1.0
-    """Upper clamp of the fitted exponent (1: never super-linear)."""
-    num_error_samples: int = 32
-    """Recent prediction errors kept per component."""
-
-    def __post_init__(self) -> None:
-        if not 4 <= self.num_online_samples <= 100_000:
-            raise ValueError("PredictorConfig.num_online_samples must be in [4, 100000]")
-        if not 1 <= self.num_level_samples <= self.num_online_samples:
-            raise ValueError("PredictorConfig.num_level_samples must be in [1, num_online]")
-        if not 0 < self.min_exponent <= self.max_exponent <= 2.0:
-            raise ValueError("PredictorConfig: need 0 < min_exponent <= max_exponent <= 2")
-        if self.num_error_samples < 1:
-            raise ValueError("PredictorConfig.num_error_samples must be >= 1")
 
 
 def effective_devices(num_devices: FloatArray, remaining: float | None, q: float) -> FloatArray:

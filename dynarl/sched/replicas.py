@@ -18,8 +18,8 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
+from dynarl.sched.events import Clock
 from dynarl.sched.hybrid import DynamicScheduleContext, HybridPolicy
-from dynarl.sched.scheduler import Clock
 
 __all__ = ["HybridController", "HybridReplicas", "HybridState", "StepTimings"]
 

@@ -84,7 +84,8 @@ class MetricsBuffer:
         if in_flight is not None:
             self._in_flight[workers] = in_flight
         if completed is not None:
-            np.add.at(self._completed, workers, completed)
+            done = np.bincount(workers, weights=completed, minlength=self.num_workers)
+            self._completed += done.astype(np.int64)
         if interruptible is not None:
             self._interruptible[workers] = interruptible
 

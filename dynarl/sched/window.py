@@ -93,7 +93,7 @@ class WindowSet:
         again stay idle for T seconds before it can donate. Raises ValueError for a
         report older than the component's latest.
         """
-        util = np.asarray(report.utilization, dtype=np.float64)
+        util = np.fromiter(report.utilization, dtype=np.float64, count=len(report.utilization))
         window = self._windows.get(report.component)
         if window is None or window.below_since.shape[0] != util.shape[0]:
             if window is not None:
