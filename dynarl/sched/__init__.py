@@ -64,7 +64,6 @@ from dynarl.sched.ledger import (
     LedgerRecord,
 )
 from dynarl.sched.metrics import (
-    TRAIN_COMPUTE_KEYS,
     DynamicResourceMetrics,
     RolloutUtilization,
     resource_utilization,
@@ -123,7 +122,6 @@ from dynarl.sched.window import (
 )
 
 __all__ = [
-    "TRAIN_COMPUTE_KEYS",
     "Affinity",
     "Candidate",
     "ChannelUse",
