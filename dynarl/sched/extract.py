@@ -263,7 +263,7 @@ def _analyse(interp: Interpreter, comp: _Component) -> Sink:
     scope = interp.module_scopes[comp.cls.module]
     for _ in range(_MAX_ROUNDS):
         interp.changed = False
-        interp.memo.clear()
+        interp.new_round()
         interp.sink = Sink()
         if init is not None:
             for args in comp.bindings or [Args()]:

@@ -47,6 +47,10 @@ __all__ = ["ClassInfo", "Interpreter"]
 
 MAX_DEPTH = 24
 """Deepest chain of inlined calls."""
+MAX_CONTEXTS = 32
+"""Distinct argument contexts per function and round before its arguments are widened."""
+MAX_STEPS = 2_000_000
+"""Statements one extraction may interpret before it stops following calls."""
 
 
 @dataclass(slots=True)
@@ -77,8 +81,16 @@ class Interpreter:
         self.changed = False
         self.recording = True
         self._depth = 0
+        self._contexts: dict[tuple[ast.AST, InstanceV | None], set[Args]] = {}
+        self._exhausted = False
+        self.steps = 0
         self.expr = Expressions(self)
         self.calls = Calls(self)
+
+    def new_round(self) -> None:
+        """Forget memoised calls and call contexts (the attribute stores changed)."""
+        self.memo.clear()
+        self._contexts.clear()
 
     # ------------------------------------------------------------------ modules
     def site(self, scope: Scope, node: ast.AST) -> Site:
@@ -146,6 +158,7 @@ class Interpreter:
 
     def exec_stmt(self, stmt: ast.stmt, scope: Scope) -> None:
         """Execute one statement."""
+        self.steps += 1
         ev = self.expr.eval
         match stmt:
             case ast.Expr(value=value):
@@ -283,11 +296,33 @@ class Interpreter:
 
     # -------------------------------------------------------------------- calls
     def invoke(self, func: FuncV, args: Args, site: Site) -> Vals:
-        """Inline a call of an analysed function; its findings go to the current sink."""
-        key = (func, args)
+        """Inline a call of an analysed function; its findings go to the current sink.
+
+        A function called in more than ``MAX_CONTEXTS`` distinct argument contexts (per
+        round) is analysed once more with unknown arguments and that result is reused.
+        Once the statement budget is spent, calls are no longer inlined and the first
+        such call is reported as an unresolved site.
+        """
+        key: tuple[FuncV, Args] = (func, args)
         self.invoked.add(func.node)
         if key in self.active or self._depth >= MAX_DEPTH:
             return plain_unknown("recursive call")
+        if key not in self.memo:
+            contexts = self._contexts.setdefault((func.node, func.self_), set())
+            contexts.add(args)
+            if len(contexts) > MAX_CONTEXTS:
+                key = (func, Args(open=True))
+        if key not in self.memo and self.steps >= MAX_STEPS:
+            if not self._exhausted:
+                self._exhausted = True
+                reason = (
+                    f"analysis budget of {MAX_STEPS} statements spent; "
+                    "calls from here on are not followed"
+                )
+                self.issues.add((site, reason))
+                self.sink.unresolved.add((site, reason))
+            return plain_unknown("analysis budget spent")
+        args = key[1]
         if key in self.memo:
             result, found = self.memo[key]
             self.sink.merge(found)

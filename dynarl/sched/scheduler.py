@@ -95,10 +95,22 @@ class Scheduler:
         return dict(self._graph)
 
     @property
+    def allocation(self) -> Allocation:
+        """The allocation in force (the last one a move committed, or the initial one)."""
+        return self._allocation
+
+    @allocation.setter
+    def allocation(self, allocation: Allocation) -> None:
+        self._allocation = allocation
+        self._free: tuple[int, ...] | None = None
+
+    @property
     def free(self) -> tuple[int, ...]:
         """Devices of the job's quota no component holds."""
-        held = {d for _, devs in self.allocation.assignment for d in devs}
-        return tuple(sorted(self._quota - held))
+        if self._free is None:
+            held = {d for _, devs in self._allocation.assignment for d in devs}
+            self._free = tuple(sorted(self._quota - held))
+        return self._free
 
     @property
     def last_decision(self) -> Decision | None:
@@ -261,13 +273,16 @@ class Scheduler:
             logger.error("%s", reason)
             return self._record(self._hold(reason, now), now)
         self._quota |= granted
+        self._free = None
         moves, targets = self._reclaim_moves(reclaimed)
         if moves is None:
             reason = f"reclaim refused: {targets}"
             logger.error("%s", reason)
             self._quota -= granted
+            self._free = None
             return self._record(self._hold(reason, now), now)
         self._quota -= reclaimed
+        self._free = None
         logger.info("quota: +%d -%d devices, now %d", len(granted), len(reclaimed), size)
         if not moves:
             return self.round(now)

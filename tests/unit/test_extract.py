@@ -483,3 +483,55 @@ def test_to_hypergraph_and_bad_input() -> None:
         extract_graph("def (:\n")
     with pytest.raises(ValueError, match="at least one module"):
         extract_graph({})
+
+
+BOUNDED = src(
+    """
+    import dynarl
+    A = dynarl.Channel("a")
+
+    def ping(n, ch):
+        return pong(n, ch) if n else ch
+
+    def pong(n, ch):
+        return ping(n - 1, ch)
+
+    def fan(ch, k):
+        ch.put(k)
+
+    class P(dynarl.WorkerGroup):
+        def run(self):
+            ping(10, A).put(0)
+            while True:
+                for i in range(10_000):
+                    fan(A, i)
+            for k in range(20):
+                fan(A, k)
+
+    class Q(dynarl.WorkerGroup):
+        def run(self):
+            A.get()
+    """
+)
+
+
+def test_recursion_and_huge_loops_terminate() -> None:
+    graph = extract_graph(BOUNDED)
+    assert graph.edge_set() == {("P", "Q", "a")}
+    assert graph.unresolved == ()
+
+
+def test_widening_and_budget_are_reported_not_guessed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dynarl.sched.interpreter as interpreter
+
+    monkeypatch.setattr(interpreter, "MAX_CONTEXTS", 4)
+    widened = extract_graph(BOUNDED)
+    # `fan` and the ping/pong recursion met more than 4 argument contexts: each is then
+    # analysed once with unknown arguments, and the channel sites inside are reported.
+    by_line = {u.line: u.reason for u in widened.unresolved}
+    assert set(by_line) == {line_of(BOUNDED, "ch.put(k)"), line_of(BOUNDED, "ping(10, A)")}
+    assert "`ch` is a parameter of `fan`" in by_line[line_of(BOUNDED, "ch.put(k)")]
+    assert widened.edge_set() == {("P", "Q", "a")}  # Q's get and fan's early contexts
+    monkeypatch.setattr(interpreter, "MAX_STEPS", 5)
+    spent = extract_graph(BOUNDED)
+    assert any("analysis budget of 5 statements spent" in u.reason for u in spent.unresolved)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import pytest
 from sched_support import PowerLawPredictor, report
 
 from dynarl.bus import ComponentReport, DecisionRecord, MigrationRecord
 from dynarl.sched import (
+    Hypergraph,
     HyperNode,
     Ledger,
     ManualClock,
@@ -249,3 +251,31 @@ def test_migration_records_reach_the_ledger() -> None:
         )
     )
     assert s.ledger.query(kind="migration", component="trainer") == [record]
+
+
+def test_graph_registry_backed_scheduler_and_bad_reports_are_dropped() -> None:
+    clock = ManualClock()
+    graph = Hypergraph.of(NODES.values())
+    s = Scheduler(
+        graph=graph,
+        allocation=START,
+        predictor=PowerLawPredictor({"rollout": (100.0, 0.9, 4.0), "trainer": (10.0, 1.0, 0.0)}),
+        cost=StaticMigrationCost(seconds={MigrationKind.P2P: 2.0}),
+        clock=clock,
+        config=SchedulerConfig(num_devices_per_node=4),
+        free=(16, 17),
+    )
+    assert s.free == (16, 17)
+    s.handle(report("critic", time=1.0))  # unknown component: dropped, nothing breaks
+    clock.advance(2.0)
+    s.handle(report("rollout", time=2.0))
+    s.handle(report("rollout", time=1.5))  # older than the latest: dropped
+    assert s.windows.stats()["rollout"].time == 2.0
+    with pytest.raises(ValueError, match="not in the graph"):
+        Scheduler(
+            graph=graph,
+            allocation=Allocation.of({"ghost": [0]}),
+            predictor=PowerLawPredictor({}),
+            cost=StaticMigrationCost(seconds={}),
+            clock=clock,
+        )
