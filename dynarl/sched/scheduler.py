@@ -175,12 +175,13 @@ class Scheduler:
     def _outcome(self, outcome: MoveOutcome) -> None:
         for record in outcome.records:
             self.ledger.append(record)
+        # The runtime's word on what is in force is authoritative, whichever move it ends.
+        self.allocation = outcome.allocation
         if outcome.decision_id != self.safety.in_flight:
-            logger.warning("outcome of %s, which is not in flight, ignored", outcome.decision_id)
+            logger.warning("outcome of %s, which is not the move in flight", outcome.decision_id)
             return
         was_safe = self.safety.safe
         self.safety = self.safety.finished(outcome.ok, self.clock.now(), self.config)
-        self.allocation = outcome.allocation
         logger.info(
             "move %s %s", outcome.decision_id, "done" if outcome.ok else f"failed: {outcome.reason}"
         )
@@ -263,6 +264,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ quota
     def _quota_change(self, change: QuotaChange) -> list[MigrationCommand]:
+        """Grants join the free pool and trigger a round; reclaims force a shrink.
+
+        A reclaim is the cluster's order, so its command is emitted even in safe mode and
+        observe-only mode; a change outside the job's elastic bounds is refused.
+        """
         now = self.clock.now()
         granted = set(change.granted) - self._quota
         reclaimed = set(change.reclaimed) & self._quota
