@@ -84,7 +84,9 @@ class _Context:
         # A change must be whole TP groups (only bites when the current size is off-grid).
         sizes = sizes[(sizes - now) % node.tp == 0]
         if node.state_bytes and node.migration is MigrationKind.P2P:
-            per = np.array([node.bytes_per_device(int(s)) for s in sizes])
+            dp = np.maximum(sizes // node.unit, 1)
+            share = (1.0 - node.sharded_state_fraction) + node.sharded_state_fraction / dp
+            per = np.where(sizes > 0, node.state_bytes / node.unit * share, 0.0)
             peak = np.where(
                 (sizes != now) & (sizes > 0) & (now > 0), per + node.bytes_per_device(now), per
             )

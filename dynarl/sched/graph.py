@@ -148,7 +148,8 @@ class HyperNode:
             dps = list(range(lo_dp, hi_dp + 1))
         else:
             dps = [lo_dp + i for i in _spread(hi_dp - lo_dp + 1, max_points)]
-        sizes.extend(d * self.unit for d in dps)
+        unit = self.unit
+        sizes.extend(d * unit for d in dps)
         return tuple(sizes)
 
     def num_valid_sizes(self, low: int, high: int) -> int:

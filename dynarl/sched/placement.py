@@ -60,8 +60,9 @@ def place(
             sources.append(name)
     devices = np.concatenate(pools)
     codes = np.concatenate([np.full(p.shape[0], i) for i, p in enumerate(pools)])
-    order = np.argsort(devices, kind="stable")
-    devices, codes = devices[order], codes[order]
+    if devices.shape[0] > 1 and bool(np.any(devices[1:] < devices[:-1])):
+        order = np.argsort(devices, kind="stable")
+        devices, codes = devices[order], codes[order]
     growers = sorted(
         ((n, c) for n, c in changes.items() if c > 0), key=lambda g: (-nodes[g[0]].tp, g[0])
     )
@@ -91,9 +92,12 @@ def _grouped(
     devices: IntArray, codes: IntArray, sources: list[str | None], dst: str | None
 ) -> list[DeviceMove]:
     """One move per source of ``devices`` (ascending) towards ``dst``."""
+    present = np.flatnonzero(np.bincount(codes, minlength=len(sources)))
+    if present.shape[0] == 1:
+        return [DeviceMove(src=sources[int(present[0])], dst=dst, devices=tuple(devices.tolist()))]
     return [
         DeviceMove(src=sources[int(code)], dst=dst, devices=tuple(devices[codes == code].tolist()))
-        for code in np.unique(codes)
+        for code in present
     ]
 
 
@@ -152,9 +156,14 @@ def _take(
     Nodes the component already uses come first, then the tightest fit, then the lowest.
     """
     free_idx = np.flatnonzero(~taken)
-    node = devices[free_idx] // per_node
-    node_ids, starts, counts = np.unique(node, return_index=True, return_counts=True)
-    foreign = ~np.isin(node_ids, np.unique(already // per_node))
+    node = devices[free_idx] // per_node  # ascending: ``devices`` is sorted
+    starts = np.r_[0, np.flatnonzero(np.diff(node)) + 1] if node.shape[0] else node[:0]
+    node_ids = node[starts]
+    counts = np.diff(np.r_[starts, node.shape[0]])
+    mine = already // per_node  # ascending: allocations keep devices sorted
+    mine = mine[np.r_[True, mine[1:] != mine[:-1]]] if mine.shape[0] else mine
+    slot = np.minimum(np.searchsorted(mine, node_ids), max(mine.shape[0] - 1, 0))
+    foreign = ~(mine[slot] == node_ids) if mine.shape[0] else np.ones(node_ids.shape[0], bool)
     groups = counts // tp
     order = np.lexsort((node_ids, counts, foreign))
     order = order[groups[order] > 0]
