@@ -61,7 +61,7 @@ from dynarl.backends.reference.tasks import (
     ToolCalcTask,
     environment_mask,
 )
-from dynarl.backends.reference.tokenizer import DEFAULT_ALPHABET, CharTokenizer
+from dynarl.backends.reference.tokenizer import CharTokenizer
 from dynarl.backends.reference.tools import Calculator, ToolLatency, ToolResult, ToolWorker
 from dynarl.backends.reference.trainer import (
     StepStats,
@@ -76,7 +76,6 @@ __all__ = [
     "Calculator",
     "ChainSumTask",
     "CharTokenizer",
-    "DEFAULT_ALPHABET",
     "Decoder",
     "DecoderRows",
     "EngineConfig",

@@ -27,6 +27,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -223,6 +224,22 @@ class _Block(nn.Module):
         return result
 
 
+class _GatherVocab(torch.autograd.Function):
+    """All-gather vocabulary-parallel logits along the last dim; backward keeps this
+    rank's slice. (Megatron's own gather uses the deprecated all_gather_into_tensor.)"""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.rank, ctx.size = group.rank(), group.size()
+        parts = [torch.empty_like(shard) for _ in range(ctx.size)]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None
+
+
 class ParallelGPT(nn.Module):
     """The trainer's and the log-prob worker's model, tensor-parallel over ``tp_group``.
 
@@ -270,7 +287,7 @@ class ParallelGPT(nn.Module):
             config=mp,
             init_method=_normal_init(config.seed, "output", std),
             bias=False,
-            gather_output=True,
+            gather_output=False,
             tp_group=tp_group,
         )
         self._layout = {shard.name: shard for shard in param_layout(config)}
@@ -300,6 +317,8 @@ class ParallelGPT(nn.Module):
         for layer in self.layers:
             x = layer(x, causal)
         logits: torch.Tensor = self.output(self.final_ln(x))[0]
+        if self.tp_size > 1:
+            logits = _GatherVocab.apply(logits, self.tp_group)  # type: ignore[no-untyped-call]
         return logits.transpose(0, 1)
 
     def token_logprobs(self, tokens: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
