@@ -28,7 +28,7 @@ def model() -> Iterator[ParallelGPT]:
         yield ParallelGPT(CONFIG, tp_group=group)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+from collections.abc import Iterator
 
 import pytest
+import torch
 
 from dynarl.backends.reference import (
     CharTokenizer,
@@ -24,6 +26,15 @@ from dynarl.backends.reference import (
     sft_samples,
     solo_process_group,
 )
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread, the runtime's device model (and much faster on a busy box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def test_grpo_raises_the_reward_on_the_chain_sum_task() -> None:

@@ -19,6 +19,16 @@ from dynarl.backends.reference import (
     solo_process_group,
 )
 
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread, the runtime's device model (and much faster on a busy box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 MODEL = GPTConfig(hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64, max_seq_len=64)
 
 
