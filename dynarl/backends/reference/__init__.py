@@ -17,12 +17,15 @@ Importing this package imports Megatron-core (after applying the CPU shim).
 from __future__ import annotations
 
 from dynarl.backends.reference.decoder import Decoder, DecoderRows
-from dynarl.backends.reference.engine import EngineConfig, EngineStats, RolloutEngine
+from dynarl.backends.reference.engine import EngineConfig, RolloutEngine
 from dynarl.backends.reference.grpo import (
     GRPOConfig,
     PolicyLoss,
+    TrainSample,
     group_advantages,
     kl_k3,
+    pad_samples,
+    per_target,
     policy_loss,
 )
 from dynarl.backends.reference.kvcache import KVPool, KVPoolShape
@@ -37,6 +40,7 @@ from dynarl.backends.reference.model import (
 )
 from dynarl.backends.reference.prefix_cache import PrefixCache, PrefixMatch
 from dynarl.backends.reference.request import (
+    EngineStats,
     FifoQueue,
     FinishReason,
     GenerationOutput,
@@ -68,7 +72,6 @@ from dynarl.backends.reference.trainer import (
     TrainConfig,
     Trainer,
     TrainerState,
-    TrainSample,
     state_checksum,
 )
 
@@ -119,7 +122,9 @@ __all__ = [
     "group_advantages",
     "kl_k3",
     "make_task",
+    "pad_samples",
     "param_layout",
+    "per_target",
     "policy_loss",
     "run_grpo",
     "sample_tokens",

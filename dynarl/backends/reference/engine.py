@@ -34,6 +34,7 @@ from dynarl.backends.reference.kvcache import KVPool, KVPoolShape
 from dynarl.backends.reference.model import GPTConfig
 from dynarl.backends.reference.prefix_cache import PrefixCache
 from dynarl.backends.reference.request import (
+    EngineStats,
     FifoQueue,
     FinishReason,
     GenerationOutput,
@@ -44,7 +45,7 @@ from dynarl.backends.reference.request import (
 from dynarl.backends.reference.sampling import sample_tokens, sampling_uniform
 from dynarl.errors import BackendError
 
-__all__ = ["EngineConfig", "EngineStats", "RolloutEngine"]
+__all__ = ["EngineConfig", "RolloutEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,34 +75,6 @@ class EngineConfig:
             raise ValueError("EngineConfig.kv_capacity_tokens must be >= max_seq_len")
         if self.prefix_cache_tokens < 0:
             raise ValueError("EngineConfig.prefix_cache_tokens must be >= 0")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EngineStats:
-    """A snapshot of an engine's load and counters."""
-
-    weight_version: int
-    """Version of the loaded weights (-1: none)."""
-    num_running: int
-    """Sequences holding a slot."""
-    num_queued: int
-    """Requests waiting."""
-    kv_tokens: int
-    """KV tokens the running sequences hold."""
-    utilization: float
-    """``kv_tokens / kv_capacity_tokens``."""
-    prefix_cache_tokens: int
-    """Tokens held by the prefix cache."""
-    prefix_hit_tokens: int
-    """Prompt tokens served from the prefix cache so far."""
-    prefill_tokens: int
-    """Prompt tokens computed so far."""
-    generated_tokens: int
-    """Tokens sampled so far."""
-    num_steps: int
-    """Forward steps run so far."""
-    num_retracted: int
-    """Sequences retracted for KV capacity so far."""
 
 
 class _Running:

@@ -9,16 +9,28 @@
   normaliser given by the caller — the number of such tokens in the *global* batch — so
   that losses of micro-batches add up to the loss of the whole batch whatever the split.
 
-No state, no process groups; run anywhere.
+:class:`TrainSample` is the unit both consume (tokens, which of them the policy wrote, the
+advantage, the log-probs to compare with); :func:`pad_samples` and :func:`per_target`
+turn a micro-batch of them into tensors. No state, no process groups; run anywhere.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GRPOConfig", "PolicyLoss", "group_advantages", "kl_k3", "policy_loss"]
+__all__ = [
+    "GRPOConfig",
+    "PolicyLoss",
+    "TrainSample",
+    "group_advantages",
+    "kl_k3",
+    "pad_samples",
+    "per_target",
+    "policy_loss",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,6 +53,32 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.kl_coef must be >= 0, got {self.kl_coef}")
         if self.adv_eps <= 0:
             raise ValueError(f"GRPOConfig.adv_eps must be > 0, got {self.adv_eps}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainSample:
+    """One sequence to train on. Per-target arrays have ``len(tokens) − 1`` entries:
+    entry t is about predicting ``tokens[t + 1]``."""
+
+    tokens: tuple[int, ...]
+    """Prompt and response (tool results included)."""
+    loss_mask: tuple[bool, ...]
+    """Per target: True where the policy generated that token."""
+    advantage: float = 0.0
+    """The sequence's advantage (GRPO)."""
+    old_logprobs: tuple[float, ...] | None = None
+    """Per target: log-probs the ratio is taken against (None: the current policy's)."""
+    ref_logprobs: tuple[float, ...] | None = None
+    """Per target: reference-policy log-probs for the KL penalty."""
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens) - 1
+        if n < 1:
+            raise ValueError("TrainSample.tokens needs at least two tokens")
+        for name in ("loss_mask", "old_logprobs", "ref_logprobs"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"TrainSample.{name} has {len(value)} entries, expected {n}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,3 +160,24 @@ def policy_loss(
         kl=kl.detach(),
         clipped=(was_clipped * mask).sum().detach(),
     )
+
+
+def pad_samples(micro: Sequence[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded tokens ``(b, L)`` and float loss mask ``(b, L − 1)`` of ``micro``."""
+    length = max(len(sample.tokens) for sample in micro)
+    tokens = torch.zeros(len(micro), length, dtype=torch.long)
+    mask = torch.zeros(len(micro), length - 1)
+    for i, sample in enumerate(micro):
+        tokens[i, : len(sample.tokens)] = torch.tensor(sample.tokens)
+        mask[i, : len(sample.loss_mask)] = torch.tensor(sample.loss_mask, dtype=torch.float32)
+    return tokens, mask
+
+
+def per_target(micro: Sequence[TrainSample], name: str, default: torch.Tensor) -> torch.Tensor:
+    """``default`` with each sample's per-target field ``name`` written over its row."""
+    out = default.clone()
+    for i, sample in enumerate(micro):
+        values = getattr(sample, name)
+        if values is not None:
+            out[i, : len(values)] = torch.tensor(values, dtype=out.dtype)
+    return out

@@ -156,55 +156,44 @@ def _normal_init(seed: int, name: str, std: float) -> Callable[[torch.Tensor], N
     return init
 
 
+@dataclass(frozen=True, slots=True)
+class _Layers:
+    """Builds this model's Megatron layers over one TP group, initialised by name."""
+
+    config: GPTConfig
+    mp: ModelParallelConfig
+    tp_group: dist.ProcessGroup
+
+    def column(self, name: str, n_in: int, n_out: int, *, bias: bool = True) -> nn.Module:
+        init = _normal_init(self.config.seed, name, self.config.init_std)
+        layer: nn.Module = tensor_parallel.ColumnParallelLinear(
+            n_in, n_out, config=self.mp, init_method=init, bias=bias,
+            gather_output=False, tp_group=self.tp_group,
+        )  # fmt: skip
+        return layer
+
+    def row(self, name: str, n_in: int, n_out: int) -> nn.Module:
+        init = _normal_init(self.config.seed, name, self.config.init_std)
+        layer: nn.Module = tensor_parallel.RowParallelLinear(
+            n_in, n_out, config=self.mp, init_method=init, bias=True,
+            input_is_parallel=True, skip_bias_add=False, tp_group=self.tp_group,
+        )  # fmt: skip
+        return layer
+
+
 class _Block(nn.Module):
-    def __init__(
-        self, config: GPTConfig, index: int, mp: ModelParallelConfig, tp_group: dist.ProcessGroup
-    ) -> None:
+    def __init__(self, layers: _Layers, index: int) -> None:
         super().__init__()
-        h, std, p = config.hidden_size, config.init_std, f"layers.{index}."
-        tp = tp_group.size()
-        self.num_local_heads = config.num_heads // tp
+        config, p = layers.config, f"layers.{index}."
+        h, f = config.hidden_size, config.ffn_hidden_size
+        self.num_local_heads = config.num_heads // layers.tp_group.size()
         self.head_dim = config.head_dim
         self.ln1 = nn.LayerNorm(h, eps=config.layernorm_eps)
-        self.qkv = tensor_parallel.ColumnParallelLinear(
-            h,
-            3 * h,
-            config=mp,
-            init_method=_normal_init(config.seed, p + "qkv", std),
-            bias=True,
-            gather_output=False,
-            tp_group=tp_group,
-        )
-        self.proj = tensor_parallel.RowParallelLinear(
-            h,
-            h,
-            config=mp,
-            init_method=_normal_init(config.seed, p + "proj", std),
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            tp_group=tp_group,
-        )
+        self.qkv = layers.column(p + "qkv", h, 3 * h)
+        self.proj = layers.row(p + "proj", h, h)
         self.ln2 = nn.LayerNorm(h, eps=config.layernorm_eps)
-        self.fc1 = tensor_parallel.ColumnParallelLinear(
-            h,
-            config.ffn_hidden_size,
-            config=mp,
-            init_method=_normal_init(config.seed, p + "fc1", std),
-            bias=True,
-            gather_output=False,
-            tp_group=tp_group,
-        )
-        self.fc2 = tensor_parallel.RowParallelLinear(
-            config.ffn_hidden_size,
-            h,
-            config=mp,
-            init_method=_normal_init(config.seed, p + "fc2", std),
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            tp_group=tp_group,
-        )
+        self.fc1 = layers.column(p + "fc1", h, f)
+        self.fc2 = layers.row(p + "fc2", f, h)
 
     def forward(self, x: torch.Tensor, causal_mask: torch.Tensor) -> torch.Tensor:
         s, b, _ = x.shape
@@ -267,29 +256,16 @@ class ParallelGPT(nn.Module):
             gradient_accumulation_fusion=False,
             deterministic_mode=True,
         )
-        std = config.init_std
+        layers = _Layers(config, mp, tp_group)
         self.embedding = tensor_parallel.VocabParallelEmbedding(
-            config.vocab_size,
-            config.hidden_size,
-            config=mp,
-            init_method=_normal_init(config.seed, "embedding", std),
-            tp_group=tp_group,
-        )
+            config.vocab_size, config.hidden_size, config=mp, tp_group=tp_group,
+            init_method=_normal_init(config.seed, "embedding", config.init_std),
+        )  # fmt: skip
         self.position = nn.Embedding(config.max_seq_len, config.hidden_size)
-        _normal_init(config.seed, "position", std)(self.position.weight)
-        self.layers = nn.ModuleList(
-            _Block(config, i, mp, tp_group) for i in range(config.num_layers)
-        )
+        _normal_init(config.seed, "position", config.init_std)(self.position.weight)
+        self.layers = nn.ModuleList(_Block(layers, i) for i in range(config.num_layers))
         self.final_ln = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
-        self.output = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size,
-            config.vocab_size,
-            config=mp,
-            init_method=_normal_init(config.seed, "output", std),
-            bias=False,
-            gather_output=False,
-            tp_group=tp_group,
-        )
+        self.output = layers.column("output", config.hidden_size, config.vocab_size, bias=False)
         self._layout = {shard.name: shard for shard in param_layout(config)}
         assert list(self._layout) == [name for name, _ in self.named_parameters()]
 

@@ -1,6 +1,7 @@
 """What travels to and from the rollout engine: requests, outputs and the queue protocol.
 
-A :class:`GenerationRequest` is self-contained — prompt, limits, seed, and any tokens
+:class:`EngineStats` is what an engine reports about its load. A
+:class:`GenerationRequest` is self-contained — prompt, limits, seed, and any tokens
 already generated for it with their log-probs and weight versions — so a generation
 aborted on one engine resumes on another from :meth:`GenerationOutput.resume_request`.
 The engine's waiting room is any :class:`RequestQueue` (``push/pop/remove/len`` over
@@ -16,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 __all__ = [
+    "EngineStats",
     "FifoQueue",
     "FinishReason",
     "GenerationOutput",
@@ -183,3 +185,31 @@ class FifoQueue:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineStats:
+    """A snapshot of an engine's load and counters."""
+
+    weight_version: int
+    """Version of the loaded weights (-1: none)."""
+    num_running: int
+    """Sequences holding a slot."""
+    num_queued: int
+    """Requests waiting."""
+    kv_tokens: int
+    """KV tokens the running sequences hold."""
+    utilization: float
+    """``kv_tokens / kv_capacity_tokens``."""
+    prefix_cache_tokens: int
+    """Tokens held by the prefix cache."""
+    prefix_hit_tokens: int
+    """Prompt tokens served from the prefix cache so far."""
+    prefill_tokens: int
+    """Prompt tokens computed so far."""
+    generated_tokens: int
+    """Tokens sampled so far."""
+    num_steps: int
+    """Forward steps run so far."""
+    num_retracted: int
+    """Sequences retracted for KV capacity so far."""

@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dynarl.backends.reference.engine import RolloutEngine
+from dynarl.backends.reference.grpo import TrainSample
 from dynarl.backends.reference.request import FinishReason, GenerationOutput, GenerationRequest
 from dynarl.backends.reference.tasks import Problem, Task
 from dynarl.backends.reference.tokenizer import CharTokenizer
 from dynarl.backends.reference.tools import ToolWorker
-from dynarl.backends.reference.trainer import TrainSample
 from dynarl.errors import BackendError
 
 __all__ = ["RolloutConfig", "Sample", "collect_rollouts"]

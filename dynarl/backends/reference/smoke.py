@@ -25,14 +25,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from dynarl.backends.reference.engine import EngineConfig, RolloutEngine
-from dynarl.backends.reference.grpo import GRPOConfig, group_advantages
+from dynarl.backends.reference.grpo import GRPOConfig, TrainSample, group_advantages
 from dynarl.backends.reference.logprob import LogProbWorker
 from dynarl.backends.reference.model import GPTConfig, solo_process_group
 from dynarl.backends.reference.rollout import RolloutConfig, Sample, collect_rollouts
 from dynarl.backends.reference.tasks import ChainSumTask, Task, ToolCalcTask, environment_mask
 from dynarl.backends.reference.tokenizer import CharTokenizer
 from dynarl.backends.reference.tools import ToolLatency, ToolWorker
-from dynarl.backends.reference.trainer import TrainConfig, Trainer, TrainSample
+from dynarl.backends.reference.trainer import TrainConfig, Trainer
 
 __all__ = ["SmokeConfig", "SmokeResult", "StepRecord", "make_task", "run_grpo", "sft_samples"]
 

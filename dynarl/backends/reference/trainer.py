@@ -31,13 +31,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dynarl.backends.reference.grpo import GRPOConfig, policy_loss
+from dynarl.backends.reference.grpo import (
+    GRPOConfig,
+    TrainSample,
+    pad_samples,
+    per_target,
+    policy_loss,
+)
 from dynarl.backends.reference.model import GPTConfig, ParallelGPT, param_layout
 
 __all__ = [
     "StepStats",
     "TrainConfig",
-    "TrainSample",
     "Trainer",
     "TrainerState",
     "state_checksum",
@@ -46,32 +51,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _NUM_SCALARS = 3  # loss, kl, clipped tokens ride along with each micro-batch gradient
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TrainSample:
-    """One sequence to train on. Per-target arrays have ``len(tokens) − 1`` entries:
-    entry t is about predicting ``tokens[t + 1]``."""
-
-    tokens: tuple[int, ...]
-    """Prompt and response (tool results included)."""
-    loss_mask: tuple[bool, ...]
-    """Per target: True where the policy generated that token."""
-    advantage: float = 0.0
-    """The sequence's advantage (GRPO)."""
-    old_logprobs: tuple[float, ...] | None = None
-    """Per target: log-probs the ratio is taken against (None: the current policy's)."""
-    ref_logprobs: tuple[float, ...] | None = None
-    """Per target: reference-policy log-probs for the KL penalty."""
-
-    def __post_init__(self) -> None:
-        n = len(self.tokens) - 1
-        if n < 1:
-            raise ValueError("TrainSample.tokens needs at least two tokens")
-        for name in ("loss_mask", "old_logprobs", "ref_logprobs"):
-            value = getattr(self, name)
-            if value is not None and len(value) != n:
-                raise ValueError(f"TrainSample.{name} has {len(value)} entries, expected {n}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -332,10 +311,10 @@ class Trainer:
     def _grpo_loss(
         self, model: ParallelGPT, micro: Sequence[TrainSample], normalizer: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, mask = _pad(micro)
+        tokens, mask = pad_samples(micro)
         logp = model.token_logprobs(tokens, temperature=self.config.temperature)
-        old = _per_target(micro, "old_logprobs", logp.detach())
-        ref = _per_target(micro, "ref_logprobs", logp.detach())
+        old = per_target(micro, "old_logprobs", logp.detach())
+        ref = per_target(micro, "ref_logprobs", logp.detach())
         advantages = torch.tensor([sample.advantage for sample in micro], dtype=torch.float32)
         out = policy_loss(
             logp, old, advantages, mask,
@@ -384,29 +363,10 @@ class Trainer:
         return state_checksum(self.full_state())
 
 
-def _pad(micro: Sequence[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
-    length = max(len(sample.tokens) for sample in micro)
-    tokens = torch.zeros(len(micro), length, dtype=torch.long)
-    mask = torch.zeros(len(micro), length - 1)
-    for i, sample in enumerate(micro):
-        tokens[i, : len(sample.tokens)] = torch.tensor(sample.tokens)
-        mask[i, : len(sample.loss_mask)] = torch.tensor(sample.loss_mask, dtype=torch.float32)
-    return tokens, mask
-
-
-def _per_target(micro: Sequence[TrainSample], name: str, default: torch.Tensor) -> torch.Tensor:
-    out = default.clone()
-    for i, sample in enumerate(micro):
-        values = getattr(sample, name)
-        if values is not None:
-            out[i, : len(values)] = torch.tensor(values, dtype=out.dtype)
-    return out
-
-
 def _sft_loss(
     model: ParallelGPT, micro: Sequence[TrainSample], normalizer: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, mask = _pad(micro)
+    tokens, mask = pad_samples(micro)
     loss = -(model.token_logprobs(tokens) * mask).sum() / normalizer
     zero = torch.zeros(())
     return loss, torch.stack([loss.detach(), zero, zero])
