@@ -14,9 +14,10 @@ prefix cache, prefill and decode, and of padding:
   per row against a stride-0 weight), never one ``(rows, in)`` GEMM, whose per-row
   results change with the number of rows (BLAS picks other kernels for the remainder
   rows; measured on this machine for 2–11 rows);
-* attention always spans all ``max_seq_len`` key rows of the slot, masking positions
-  after the row's own with ``-inf`` (their weight is exactly 0), so every softmax and
-  weighted sum has one fixed length;
+* attention spans a window of key rows fixed by the row's own position (the next power
+  of two above it, 16 at least, ``max_seq_len`` at most), masking positions after the
+  row's own with ``-inf`` (their weight is exactly 0), so a row's softmax and weighted
+  sum always have the same length whatever the other rows are;
 * LayerNorm, softmax and GELU are row-wise and elementwise.
 
 The remaining assumption is one intra-op thread (a parallel split of an elementwise op
@@ -106,21 +107,17 @@ class Decoder:
         assert self.loaded, "Decoder.forward before load"
         cfg, t = self.config, self._tensors
         exact = self.deterministic
-        window = pool.shape.max_seq_len if exact else int(rows.positions.max()) + 1
+        groups = self._window_groups(rows.positions, pool.shape.max_seq_len)
         x = t["embedding.weight"][rows.tokens] + t["position.weight"][rows.positions]
-        masked = torch.arange(window).unsqueeze(0) > rows.positions.unsqueeze(1)
-        masked = masked[:, None, None, :]
-        n, heads, d = x.shape[0], cfg.num_heads, cfg.head_dim
+        n = x.shape[0]
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             h = F.layer_norm(x, (cfg.hidden_size,), t[p + "ln1.weight"], t[p + "ln1.bias"])
-            qkv = self._linears[p + "qkv"](h, exact).view(n, heads, 3, d)
-            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-            pool.write(i, rows.slots, rows.positions, k, v)
-            keys, values = pool.window(i, rows.slots, window)
-            scores = torch.matmul((q * d**-0.5).unsqueeze(2), keys.transpose(-1, -2))
-            probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
-            attn = torch.matmul(probs, values).reshape(n, cfg.hidden_size)
+            qkv = self._linears[p + "qkv"](h, exact).view(n, cfg.num_heads, 3, cfg.head_dim)
+            pool.write(i, rows.slots, rows.positions, qkv[:, :, 1], qkv[:, :, 2])
+            attn = torch.empty(n, cfg.hidden_size)
+            for window, index in groups:
+                attn[index] = self._attend(pool, i, qkv[index, :, 0], rows, index, window)
             x = x + self._linears[p + "proj"](attn, exact)
             h = F.layer_norm(x, (cfg.hidden_size,), t[p + "ln2.weight"], t[p + "ln2.bias"])
             h = F.gelu(self._linears[p + "fc1"](h, exact))
@@ -128,3 +125,35 @@ class Decoder:
         x = x.index_select(0, rows.logit_rows)
         x = F.layer_norm(x, (cfg.hidden_size,), t["final_ln.weight"], t["final_ln.bias"])
         return self._linears["output"](x, exact)
+
+    def _window_groups(
+        self, positions: torch.Tensor, max_len: int
+    ) -> list[tuple[int, torch.Tensor]]:
+        """Rows grouped by the number of key rows their attention spans.
+
+        Deterministic mode: a window that depends only on the row's own position (the
+        next power of two above it, at least 16, at most ``max_len``), so a row is always
+        computed with the same shapes. Fast mode: one window, the longest row's.
+        """
+        if not self.deterministic:
+            return [(int(positions.max()) + 1, torch.arange(positions.shape[0]))]
+        windows = (positions + 1).clamp(min=16).double().log2().ceil().exp2().long()
+        windows = windows.clamp(max=max_len)
+        return [(int(w), (windows == w).nonzero().squeeze(1)) for w in torch.unique(windows)]
+
+    def _attend(
+        self,
+        pool: KVPool,
+        layer: int,
+        q: torch.Tensor,
+        rows: DecoderRows,
+        index: torch.Tensor,
+        window: int,
+    ) -> torch.Tensor:
+        """Attention of query rows ``q`` ``(r, heads, d)`` over their slots' first
+        ``window`` key rows, positions after each row's own masked with ``-inf``."""
+        keys, values = pool.window(layer, rows.slots[index], window)
+        masked = torch.arange(window).unsqueeze(0) > rows.positions[index].unsqueeze(1)
+        scores = torch.matmul((q * self.config.head_dim**-0.5).unsqueeze(2), keys.transpose(-1, -2))
+        probs = torch.softmax(scores.masked_fill(masked[:, None, None, :], float("-inf")), dim=-1)
+        return torch.matmul(probs, values).reshape(q.shape[0], self.config.hidden_size)
