@@ -118,8 +118,13 @@ class _Episode:
         self.versions: list[int] = []
         self.calls = 0
 
-    def add(self, tokens: Sequence[int], policy: bool, logprobs: Sequence[float] = (),
-            versions: Sequence[int] = ()) -> None:  # fmt: skip
+    def add(
+        self,
+        tokens: Sequence[int],
+        policy: bool,
+        logprobs: Sequence[float] = (),
+        versions: Sequence[int] = (),
+    ) -> None:
         self.response += tokens
         self.mask += [policy] * len(tokens)
         self.logprobs += logprobs if policy else [0.0] * len(tokens)
