@@ -3,6 +3,7 @@
 * DP = 2 in deterministic mode gives parameters and optimizer state bitwise equal to
   DP = 1 on the same global batches (the fixed-order reduction of per-micro-batch
   gradients).
+* DP = 2 in fast mode (local accumulation, one all-reduce) matches within tolerance.
 * TP = 2 (Megatron's column/row-parallel layers) matches TP = 1 within a float
   tolerance, not bitwise: row-parallel layers sum partial products across ranks, a
   different rounding order than one full-length dot product. The measured maximum
@@ -67,11 +68,17 @@ def _worker(rank: int, store_path: str, out_path: str) -> None:
         solo = solos[rank]
         model = GPTConfig(hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64)
         config = TrainConfig(lr=1e-3, micro_batch_size=4, grpo=GRPOConfig(clip_eps=0.2))
-        layouts = {"tp1dp1": (solo, solo), "tp1dp2": (solo, world), "tp2dp1": (world, solo)}
+        fast = TrainConfig(lr=1e-3, micro_batch_size=4, deterministic=False)
+        layouts = {
+            "tp1dp1": (solo, solo, config),
+            "tp1dp2": (solo, world, config),
+            "tp2dp1": (world, solo, config),
+            "tp1dp2fast": (solo, world, fast),
+        }
         states = {}
         timings = {"setup_s": time.perf_counter() - started}
-        for name, (tp, dp) in layouts.items():
-            trainer = Trainer(model, config, tp_group=tp, dp_group=dp)
+        for name, (tp, dp, train) in layouts.items():
+            trainer = Trainer(model, train, tp_group=tp, dp_group=dp)
             for batch in _batches(model.vocab_size):
                 samples = [
                     TrainSample(tokens=t, loss_mask=m, advantage=a) for t, m, a in batch
@@ -80,6 +87,7 @@ def _worker(rank: int, store_path: str, out_path: str) -> None:
             states[name] = trainer.full_state()
             timings[name + "_s"] = time.perf_counter() - started - sum(timings.values())
         ref, dp2, tp2 = states["tp1dp1"], states["tp1dp2"], states["tp2dp1"]
+        fast2 = states["tp1dp2fast"]
         result = {
             "rank": rank,
             "dp2_params_bitwise": all(torch.equal(ref.params[k], dp2.params[k]) for k in ref.params),
@@ -89,6 +97,10 @@ def _worker(rank: int, store_path: str, out_path: str) -> None:
                 float((ref.params[k] - tp2.params[k]).abs().max()) for k in ref.params
             ),
             "tp2_checksum": state_checksum(tp2),
+            "fast_dp2_max_abs_diff": max(
+                float((ref.params[k] - fast2.params[k]).abs().max()) for k in ref.params
+            ),
+            "fast_dp2_checksum": state_checksum(fast2),
             "ref_version": ref.version,
             "timings": timings,
         }
@@ -114,11 +126,15 @@ def test_dp2_is_bitwise_dp1_and_tp2_is_close_to_tp1(tmp_path: Path) -> None:
     assert [proc.exitcode for proc in procs] == [0, 0]
     results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
     print("TP=2 vs TP=1 max |param diff| after", NUM_STEPS, "steps:", results[0]["tp2_max_abs_diff"])
+    print("fast-mode DP=2 vs DP=1 max |param diff|:", results[0]["fast_dp2_max_abs_diff"])
     print("worker timings:", results[0]["timings"])
     for result in results:
         assert result["ref_version"] == NUM_STEPS
         assert result["dp2_params_bitwise"]
         assert result["dp2_checksum_equal"]
         assert result["tp2_max_abs_diff"] <= TP_TOLERANCE
+        assert result["fast_dp2_max_abs_diff"] <= TP_TOLERANCE
     # Both TP ranks hold the same full state (replicated parameters never diverge).
     assert results[0]["tp2_checksum"] == results[1]["tp2_checksum"]
+    # Fast mode: one all-reduce leaves every DP rank with the same parameters too.
+    assert results[0]["fast_dp2_checksum"] == results[1]["fast_dp2_checksum"]
