@@ -37,7 +37,7 @@ from dynarl.bus.messages import (
 )
 from dynarl.bus.peers import Peer
 from dynarl.bus.transport import DealerLink, open_dealer
-from dynarl.errors import BusError, DeadlineExceeded, PeerLostError, ProtocolError
+from dynarl.errors import BusError, PeerLostError, ProtocolError
 
 __all__ = ["BusClient"]
 
@@ -71,6 +71,8 @@ class BusClient(Endpoint):
         on_lost: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name=name, config=config or BusConfig())
+        if len(name.encode()) > 255:
+            raise ValueError(f"client name must encode to at most 255 bytes, got {name!r}")
         self._address = address
         self._curve = curve
         self._on_lost = on_lost
@@ -96,9 +98,12 @@ class BusClient(Endpoint):
         """Connect, register and start heartbeats (see the class docstring for errors)."""
         if self._link is not None or self.closed:
             raise BusError(f"client {self.name!r} already started")
-        link = self._link = open_dealer(self._address, self.config, self._curve)
+        link = self._link = open_dealer(
+            self._address, self.config, self._curve, identity=self.name.encode()
+        )
         self._send_nowait = link.send_nowait
-        await self._start(self._receive(link), link.serve())
+        self._send_direct = link.send_direct
+        await self._start(self._receive(link.recv, link.recv_nowait), link.serve())
         self._server.last_seen = self._now()
         try:
             reply = await self._request(self._server, self._hello, self.config.register_timeout_s)
@@ -195,42 +200,23 @@ class BusClient(Endpoint):
 
     # ------------------------------------------------------------------ transport hooks
 
-    def _send(self, peer: Peer, data: bytes) -> bool:
-        return self._send_nowait(data)
+    def _out(self, key: bytes, data: bytes) -> bool:
+        sent: bool = (self._send_nowait if self._waiting else self._send_direct)(data)
+        return sent
 
-    async def _send_request(self, peer: Peer, data: bytes, deadline: float) -> bool:
-        if self._send_nowait(data):
-            return True
-        assert self._link is not None
-        try:
-            async with asyncio.timeout_at(deadline):
-                await self._link.send(data)
-        except TimeoutError:
-            raise DeadlineExceeded("the outgoing queue stayed full until the deadline") from None
-        return True
-
-    def _reply_to(self, key: bytes, peer: Peer | None, rid: int, reply: Any) -> None:
-        if self._send_nowait(self._reply_frame(rid, reply)):
-            self.stats.frames_out += 1
+    def _handle(self, frames: list[bytes]) -> None:
+        self.stats.frames_in += 1
+        server = self._server
+        server.last_seen = self._now()
+        if len(frames) != 1:
+            count = len(frames)
+            self._refuse(server, b"", Refusal("frame_count", f"expected 1 frame, got {count}"))
+            return
+        frame = self._codec.decode(frames[0])
+        if isinstance(frame, Refusal):
+            self._refuse(server, b"", frame)
         else:
-            self.stats.replies_dropped += 1
-
-    async def _receive(self, link: DealerLink) -> None:
-        recv, decode, now, server = link.recv, self._codec.decode, self._now, self._server
-        stats = self.stats
-        while True:
-            frames = await recv()
-            stats.frames_in += 1
-            server.last_seen = now()
-            if len(frames) != 1:
-                count = len(frames)
-                self._refuse(server, b"", Refusal("frame_count", f"expected 1 frame, got {count}"))
-                continue
-            frame = decode(frames[0])
-            if isinstance(frame, Refusal):
-                self._refuse(server, b"", frame)
-            else:
-                self._on_frame(server, frame)
+            self._on_frame(server, frame)
 
     def _stale_reply(self, peer: Peer, body: Any) -> None:
         if isinstance(body, ChannelItem):

@@ -14,6 +14,7 @@ cancelled when the requester cancels or is lost.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import inspect
 import itertools
 import logging
@@ -51,6 +52,7 @@ _PROTOCOL_CODES: Final = frozenset(
 _MAX_TIMEOUT_MS: Final = 2**32 - 1
 _ACK: Final = Ack()
 _REQUEST, _REPLY, _NOTIFY, _CANCEL = 1, 2, 3, 4
+_BURST: Final = 256
 
 
 def error_from_reply(reply: ErrorReply) -> BusError:
@@ -87,12 +89,17 @@ class Endpoint:
         self._encode = self._codec.encode
         self._log = RateLimitedLog(logger, config.log_interval_s)
         self._handlers: dict[type, tuple[Handler, bool]] = {}
-        self._waiters: dict[int, tuple[asyncio.Future[Any], Peer]] = {}
+        self._waiters: dict[int, tuple[asyncio.Future[Any], Peer, float]] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._alarm: asyncio.TimerHandle | None = None
+        self._alarm_at = math.inf
         self._ids = itertools.count(1)
         self._group: asyncio.TaskGroup | None = None
         self._background: list[asyncio.Task[None]] = []
         self._notified: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._waiting = False
+        """Whether the receive loop awaits the link: only then must sends use the slow path."""
         self.route(Ping, _pong)
 
     # ------------------------------------------------------------------ public
@@ -113,11 +120,13 @@ class Endpoint:
 
     # ------------------------------------------------------------------ subclass hooks
 
-    def _send(self, peer: Peer, data: bytes) -> bool:
+    def _out(self, key: bytes, data: bytes) -> bool:
+        """Send a frame to routing id ``key`` without waiting; False if it was dropped."""
         raise NotImplementedError
 
-    async def _send_request(self, peer: Peer, data: bytes, deadline: float) -> bool:
-        return self._send(peer, data)
+    def _handle(self, frames: list[bytes]) -> None:
+        """Dispatch one received message (receive loop)."""
+        raise NotImplementedError
 
     def _stale_reply(self, peer: Peer, body: Any) -> None:
         """A reply matching no waiting request (given up, or the peer refused a frame)."""
@@ -151,6 +160,8 @@ class Endpoint:
         tb: TracebackType | None = None,
     ) -> None:
         self._closed = True
+        if self._alarm is not None:
+            self._alarm.cancel()
         for task in [*self._background, *self._notified]:
             task.cancel()
         for peer in peers:
@@ -160,7 +171,33 @@ class Endpoint:
         self._fail_waiters(None, BusError(f"endpoint {self.name!r} closed"))
         group, self._group = self._group, None
         if group is not None:
-            await group.__aexit__(exc_type, exc, tb)
+            # Not the body's exception: the task group would wrap it in an ExceptionGroup.
+            # Only a crash of the endpoint's own tasks surfaces from here.
+            await group.__aexit__(None, None, None)
+
+    async def _receive(
+        self,
+        recv: Callable[[], asyncio.Future[list[bytes]]],
+        recv_nowait: Callable[[], list[bytes] | None],
+    ) -> None:
+        handle = self._handle
+        while True:
+            self._waiting = True
+            future = recv()
+            backlog = future.done()
+            frames = await future
+            self._waiting = False
+            handle(frames)
+            if backlog:  # drain the queue without the cost of an awaited receive per message
+                for _ in range(_BURST):
+                    queued = recv_nowait()
+                    if queued is None:
+                        break
+                    handle(queued)
+            # Let the requests just answered resume (and send their next frames cheaply,
+            # see ``_waiting``) before the next receive is armed; this also keeps a flood
+            # from starving other tasks, since awaiting a ready socket does not yield.
+            await asyncio.sleep(0)
 
     # ------------------------------------------------------------------ outgoing
 
@@ -174,12 +211,11 @@ class Endpoint:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         rid = next(self._ids)
         data = self._encode(_REQUEST, rid, min(math.ceil(seconds * 1000), _MAX_TIMEOUT_MS), message)
-        loop = self._loop
-        future = loop.create_future()
-        self._waiters[rid] = (future, peer)
-        timer = loop.call_later(seconds, self._expire, rid, seconds)
+        future = self._loop.create_future()
+        self._waiters[rid] = (future, peer, seconds)
+        self._arm(self._now() + seconds, rid)
         try:
-            if not await self._send_request(peer, data, loop.time() + seconds):
+            if not self._out(peer.key, data):
                 raise BusError(f"could not send to {peer.name!r}: unreachable or queue full")
             self.stats.requests_out += 1
             self.stats.frames_out += 1
@@ -189,14 +225,37 @@ class Endpoint:
                 self._cancel_remote(peer, rid)
             raise
         finally:
-            timer.cancel()
             self._waiters.pop(rid, None)
 
-    def _expire(self, rid: int, seconds: float) -> None:
+    def _arm(self, deadline: float, rid: int) -> None:
+        # One timer for all deadlines (a heap of them), not one per request: a timer
+        # costs more than the rest of a request's bookkeeping together.
+        deadlines = self._deadlines
+        heapq.heappush(deadlines, (deadline, rid))
+        if deadline < self._alarm_at:
+            if self._alarm is not None:
+                self._alarm.cancel()
+            self._alarm_at = deadline
+            self._alarm = self._loop.call_at(deadline, self._sweep)
+        if len(deadlines) > 2 * len(self._waiters) + 1024:
+            self._deadlines = [entry for entry in deadlines if entry[1] in self._waiters]
+            heapq.heapify(self._deadlines)
+
+    def _sweep(self) -> None:
+        deadlines, now = self._deadlines, self._now()
+        while deadlines and (deadlines[0][0] <= now or deadlines[0][1] not in self._waiters):
+            self._expire(heapq.heappop(deadlines)[1])
+        self._alarm = None
+        self._alarm_at = math.inf
+        if deadlines:
+            self._alarm_at = deadlines[0][0]
+            self._alarm = self._loop.call_at(self._alarm_at, self._sweep)
+
+    def _expire(self, rid: int) -> None:
         entry = self._waiters.pop(rid, None)
         if entry is None:
             return
-        future, peer = entry
+        future, peer, seconds = entry
         if not future.done():
             future.set_exception(
                 DeadlineExceeded(f"no reply from {peer.name!r} within {seconds:g} s")
@@ -205,12 +264,12 @@ class Endpoint:
 
     def _cancel_remote(self, peer: Peer, rid: int) -> None:
         if not peer.lost and not self._closed:
-            self._send(peer, self._encode(_CANCEL, rid, 0, None))
+            self._out(peer.key, self._encode(_CANCEL, rid, 0, None))
 
     def _notify(self, peer: Peer, message: Any) -> bool:
         if peer.lost or self._closed:
             return False
-        sent = self._send(peer, self._encode(_NOTIFY, 0, 0, message))
+        sent = self._out(peer.key, self._encode(_NOTIFY, 0, 0, message))
         if sent:
             self.stats.frames_out += 1
         else:
@@ -218,7 +277,7 @@ class Endpoint:
         return sent
 
     def _fail_waiters(self, peer: Peer | None, exc: BusError) -> None:
-        for rid, (future, target) in list(self._waiters.items()):
+        for rid, (future, target, _) in list(self._waiters.items()):
             if peer is None or target is peer:
                 del self._waiters[rid]
                 if not future.done():
@@ -245,11 +304,14 @@ class Endpoint:
             refusal.message,
         )
         reply = ErrorReply(code=refusal.reason, message=refusal.message)
-        self._reply_to(key, peer, refusal.request_id, reply)
+        self._reply_to(key, refusal.request_id, reply)
 
-    def _reply_to(self, key: bytes, peer: Peer | None, rid: int, reply: Any) -> None:
-        """Send a reply frame to ``peer`` (or, for a stranger, to routing id ``key``)."""
-        raise NotImplementedError
+    def _reply_to(self, key: bytes, rid: int, reply: Any) -> None:
+        """Send a reply frame to routing id ``key``."""
+        if self._out(key, self._reply_frame(rid, reply)):
+            self.stats.frames_out += 1
+        else:
+            self.stats.replies_dropped += 1
 
     def _on_frame(self, peer: Peer, frame: Frame) -> None:
         kind = frame.kind
@@ -280,7 +342,7 @@ class Endpoint:
         rid = frame.request_id
         self.stats.requests_in += 1
         if not is_async:
-            self._reply_to(peer.key, peer, rid, self._call(handler, body, peer))
+            self._reply_to(peer.key, rid, self._call(handler, body, peer))
         elif rid in peer.running:
             self._refuse(peer, peer.key, Refusal("invalid", f"request id {rid} is in use", rid))
         else:
@@ -349,7 +411,7 @@ class Endpoint:
         if peer.running.get(rid) is asyncio.current_task():
             del peer.running[rid]
         if not peer.lost:
-            self._reply_to(peer.key, peer, rid, result)
+            self._reply_to(peer.key, rid, result)
 
     def _spawn_notified(self, handler: Handler, body: Any, peer: Peer) -> None:
         async def run() -> None:

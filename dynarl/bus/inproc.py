@@ -9,26 +9,50 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
+from collections import deque
 
 from dynarl.bus.config import BusConfig
 from dynarl.errors import BusError
 
 __all__ = ["MemDealer", "MemPublisher", "MemRouter", "MemSubscriber"]
 
-logger = logging.getLogger(__name__)
-
 _routers: dict[str, MemRouter] = {}
 _publishers: dict[str, MemPublisher] = {}
 _ids = itertools.count(1)
 
 
-def _put(queue: asyncio.Queue[list[bytes]], frames: list[bytes]) -> bool:
-    try:
-        queue.put_nowait(frames)
-    except asyncio.QueueFull:
-        return False
-    return True
+class Inbox:
+    """A bounded FIFO of messages with at most one waiting receiver (one event loop)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._items: deque[list[bytes]] = deque()
+        self._capacity = capacity
+        self._waiter: asyncio.Future[list[bytes]] | None = None
+
+    def put(self, frames: list[bytes]) -> bool:
+        """Queue ``frames`` (or hand them to the waiting receiver); False if full."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            self._waiter = None
+            waiter.set_result(frames)
+            return True
+        if len(self._items) >= self._capacity:
+            return False
+        self._items.append(frames)
+        return True
+
+    def get_nowait(self) -> list[bytes] | None:
+        """The oldest queued message, or None."""
+        return self._items.popleft() if self._items else None
+
+    def get(self) -> asyncio.Future[list[bytes]]:
+        """A future of the next message (already finished when one is queued)."""
+        future: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
+        if self._items:
+            future.set_result(self._items.popleft())
+        else:
+            self._waiter = future
+        return future
 
 
 class MemRouter:
@@ -38,7 +62,7 @@ class MemRouter:
         if address in _routers:
             raise BusError(f"address {address} is already bound")
         self.address = address
-        self._inbox: asyncio.Queue[list[bytes]] = asyncio.Queue(config.recv_hwm)
+        self._inbox = Inbox(config.recv_hwm)
         self._peers: dict[bytes, MemDealer] = {}
         _routers[address] = self
 
@@ -54,16 +78,22 @@ class MemRouter:
 
     def deliver(self, frames: list[bytes]) -> bool:
         """Queue frames from a dealer; False if the inbox is full."""
-        return _put(self._inbox, frames)
+        return self._inbox.put(frames)
 
-    async def recv(self) -> list[bytes]:
+    def recv(self) -> asyncio.Future[list[bytes]]:
         """The next message: ``[routing id, *frames]``."""
-        return await self._inbox.get()
+        return self._inbox.get()
+
+    def recv_nowait(self) -> list[bytes] | None:
+        """The next message if one is queued, else None."""
+        return self._inbox.get_nowait()
 
     def send(self, peer: bytes, frame: bytes) -> bool:
         """Send one frame to ``peer`` without waiting; False if it is gone or full."""
         dealer = self._peers.get(peer)
-        return dealer is not None and _put(dealer.inbox, [frame])
+        return dealer is not None and dealer.inbox.put([frame])
+
+    send_direct = send
 
     async def serve(self) -> None:
         """Nothing runs in the background of an in-process link."""
@@ -83,21 +113,23 @@ class MemDealer:
         if router is None:
             raise BusError(f"nothing is bound at {address}")
         self.address = address
-        self.inbox: asyncio.Queue[list[bytes]] = asyncio.Queue(config.recv_hwm)
+        self.inbox = Inbox(config.recv_hwm)
         self._router: MemRouter | None = router
         self._identity = router.attach(self)
 
-    async def recv(self) -> list[bytes]:
+    def recv(self) -> asyncio.Future[list[bytes]]:
         """The next message: ``[frame]``."""
-        return await self.inbox.get()
+        return self.inbox.get()
 
-    async def send(self, frame: bytes) -> None:
-        """Send one frame to the router (dropped, as by ZeroMQ, if it is gone)."""
-        self.send_nowait(frame)
+    def recv_nowait(self) -> list[bytes] | None:
+        """The next message if one is queued, else None."""
+        return self.inbox.get_nowait()
 
     def send_nowait(self, frame: bytes) -> bool:
         """Send one frame without waiting; False if the router is gone or full."""
         return self.send_frames([frame])
+
+    send_direct = send_nowait
 
     def send_frames(self, frames: list[bytes]) -> bool:
         """Send a multi-frame message (tests use this to send malformed frame counts)."""
@@ -139,7 +171,7 @@ class MemPublisher:
         """Deliver to every subscriber whose prefix matches; full subscribers miss it."""
         for subscriber in self._subscribers:
             if subscriber.wants(topic):
-                _put(subscriber.inbox, [topic, frame])
+                subscriber.inbox.put([topic, frame])
         return True
 
     async def serve(self) -> None:
@@ -159,7 +191,7 @@ class MemSubscriber:
         publisher = _publishers.get(address)
         if publisher is None:
             raise BusError(f"nothing is bound at {address}")
-        self.inbox: asyncio.Queue[list[bytes]] = asyncio.Queue(config.recv_hwm)
+        self.inbox = Inbox(config.recv_hwm)
         self._prefixes: list[bytes] = []
         self._publisher: MemPublisher | None = publisher
         publisher.attach(self)
@@ -172,9 +204,9 @@ class MemSubscriber:
         """Whether a topic matches a subscribed prefix."""
         return any(topic.startswith(prefix) for prefix in self._prefixes)
 
-    async def recv(self) -> list[bytes]:
+    def recv(self) -> asyncio.Future[list[bytes]]:
         """The next message: ``[topic, frame]``."""
-        return await self.inbox.get()
+        return self.inbox.get()
 
     async def serve(self) -> None:
         """Nothing runs in the background of an in-process link."""

@@ -83,8 +83,9 @@ class BusServer(Endpoint):
         if self._link is not None or self.closed:
             raise BusError(f"server {self.name!r} already started")
         link = self._link = open_router(self._bind_address, self.config, self._curve)
-        self._send_key = link.send
-        await self._start(self._receive(link), self._reap(), link.serve())
+        self._send, self._send_direct = link.send, link.send_direct
+        self._peer_of = self._peers.get
+        await self._start(self._receive(link.recv, link.recv_nowait), self._reap(), link.serve())
         logger.info("bus server %s listening on %s", self.name, link.address)
         return self
 
@@ -125,7 +126,8 @@ class BusServer(Endpoint):
         """The bound address (with the actual port). Raises BusError before ``start``."""
         if self._link is None:
             raise BusError(f"server {self.name!r} is not running")
-        return self._link.address
+        address: str = self._link.address
+        return address
 
     def peers(self) -> list[str]:
         """Names of the registered clients, sorted."""
@@ -154,38 +156,29 @@ class BusServer(Endpoint):
         target = self._peers.named(peer)
         return target is not None and self._notify(target, message)
 
-    # ------------------------------------------------------------------ transport hooks
+    # ------------------------------------------------------------------ receive loop
 
-    def _send(self, peer: Peer, data: bytes) -> bool:
-        return self._send_key(peer.key, data)
+    def _out(self, key: bytes, data: bytes) -> bool:
+        sent: bool = (self._send if self._waiting else self._send_direct)(key, data)
+        return sent
 
-    def _reply_to(self, key: bytes, peer: Peer | None, rid: int, reply: Any) -> None:
-        if self._send_key(key, self._reply_frame(rid, reply)):
-            self.stats.frames_out += 1
+    def _handle(self, frames: list[bytes]) -> None:
+        self.stats.frames_in += 1
+        key = frames[0]
+        peer = self._peer_of(key)
+        if peer is not None:
+            peer.last_seen = self._now()
+        if len(frames) != 2:
+            count = len(frames) - 1
+            self._refuse(peer, key, Refusal("frame_count", f"expected 1 frame, got {count}"))
+            return
+        frame = self._codec.decode(frames[1])
+        if isinstance(frame, Refusal):
+            self._refuse(peer, key, frame)
+        elif peer is None or isinstance(frame.body, Register):
+            self._on_stranger(peer, key, frame)
         else:
-            self.stats.replies_dropped += 1
-
-    async def _receive(self, link: RouterLink) -> None:
-        recv, get, decode, now = link.recv, self._peers.get, self._codec.decode, self._now
-        stats = self.stats
-        while True:
-            frames = await recv()
-            stats.frames_in += 1
-            key = frames[0]
-            peer = get(key)
-            if peer is not None:
-                peer.last_seen = now()
-            if len(frames) != 2:
-                count = len(frames) - 1
-                self._refuse(peer, key, Refusal("frame_count", f"expected 1 frame, got {count}"))
-                continue
-            frame = decode(frames[1])
-            if isinstance(frame, Refusal):
-                self._refuse(peer, key, frame)
-            elif peer is None or isinstance(frame.body, Register):
-                self._on_stranger(peer, key, frame)
-            else:
-                self._on_frame(peer, frame)
+            self._on_frame(peer, frame)
 
     def _on_stranger(self, peer: Peer | None, key: bytes, frame: Frame) -> None:
         rid = frame.request_id
@@ -221,7 +214,7 @@ class BusServer(Endpoint):
             num_missed_heartbeats=config.num_missed_heartbeats,
             max_message_bytes=config.max_message_bytes,
         )
-        self._reply_to(key, peer, rid, welcome)
+        self._reply_to(key, rid, welcome)
         logger.info("%s: peer %r registered (role %r)", self.name, peer.name, message.role)
         self._emit(peer, "registered")
 
