@@ -111,7 +111,10 @@ class Endpoint:
         """
         if message_type not in MESSAGE_TYPES:
             raise ValueError(f"{message_type!r} is not a bus message type")
-        self._handlers[message_type] = (handler, inspect.iscoroutinefunction(handler))
+        is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+            getattr(handler, "__call__", None)
+        )
+        self._handlers[message_type] = (handler, is_async)
 
     @property
     def closed(self) -> bool:

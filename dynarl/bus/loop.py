@@ -68,6 +68,13 @@ def run(main: Coroutine[Any, Any, T], *, debug: bool | None = None) -> T:
     Raises RuntimeError if called from a running event loop (use ``await`` there, or a
     :class:`SyncBridge` from a thread).
     """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        main.close()
+        raise RuntimeError("run() cannot be called from a running event loop; await instead")
     with asyncio.Runner(loop_factory=new_event_loop, debug=debug) as runner:
         return runner.run(main)
 

@@ -61,9 +61,10 @@ class RateLimitedLog:
         held = self._held.pop(reason, 0)
         self._last[reason] = now
         if held:
+            assert last is not None  # something was held back, so a line was written before
             text = message % args
             self._logger.warning(
-                "%s (and %d more like it in the last %.0f s)", text, held, now - (last or now)
+                "%s (and %d more like it in the last %.0f s)", text, held, now - last
             )
         else:
             self._logger.warning(message, *args)
