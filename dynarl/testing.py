@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 import msgspec.inspect as mi
 from hypothesis import strategies as st
 

@@ -255,12 +255,18 @@ class BusClient(Endpoint):
     async def _heartbeat(self, welcome: Welcome) -> None:
         interval = welcome.heartbeat_interval_s
         loss_after = interval * welcome.num_missed_heartbeats
+        period = interval / 4
         seq = 0
         while not self._server.lost:
             self._notify(self._server, Heartbeat(seq=seq, time=self._now()))
             seq += 1
             for _ in range(4):
-                await asyncio.sleep(interval / 4)
+                woke = self._now() + period
+                await asyncio.sleep(period)
+                if self._now() - woke > period:
+                    # This loop itself was stalled: the server's echoes may be waiting unread,
+                    # so let the receive loop catch up before judging the server's silence.
+                    break
                 silent = self._now() - self._server.last_seen
                 if silent > loss_after:
                     self._lose_server(f"server {self._server.name!r} silent for {silent:.2f} s")

@@ -112,7 +112,7 @@ class Endpoint:
         if message_type not in MESSAGE_TYPES:
             raise ValueError(f"{message_type!r} is not a bus message type")
         is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
-            getattr(handler, "__call__", None)
+            type(handler).__call__
         )
         self._handlers[message_type] = (handler, is_async)
 

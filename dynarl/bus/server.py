@@ -234,8 +234,13 @@ class BusServer(Endpoint):
     async def _reap(self) -> None:
         config = self.config
         while True:
+            woke = self._now() + config.check_interval_s
             await asyncio.sleep(config.check_interval_s)
             now = self._now()
+            if now - woke > config.check_interval_s:
+                # This loop itself was stalled: heartbeats may be waiting unread, so let the
+                # receive loop catch up before judging anyone's silence.
+                continue
             for peer in overdue(self._peers, now, config.loss_after_s):
                 silent = now - peer.last_seen
                 logger.warning("%s: peer %r lost (silent %.2f s)", self.name, peer.name, silent)
