@@ -33,6 +33,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+_DOMAIN = "dynarl"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _KEY = re.compile(rb'^\s*(public|secret)-key\s*=\s*"?([^"\s]+)"?\s*$')
 _BANNER = "#   ZeroMQ CURVE {what} Certificate, written by dynarl\n\nmetadata\ncurve\n"
@@ -183,7 +184,7 @@ class Guard:
         self._curve = curve
         self._auth = Authenticator(context, log=logging.getLogger(f"{__name__}.zap"))
         self._auth.start()
-        self._auth.configure_curve_callback("*", _AllowList(curve.allowed_clients))
+        self._auth.configure_curve_callback(_DOMAIN, _AllowList(curve.allowed_clients))
 
     def apply(self, socket: zmq.Socket[Any]) -> None:
         """Make ``socket`` a CURVE server with this node's keys."""
@@ -191,7 +192,7 @@ class Guard:
         socket.curve_server = True
         socket.curve_publickey = public
         socket.curve_secretkey = secret
-        socket.zap_domain = b"dynarl"
+        socket.zap_domain = _DOMAIN.encode()
 
     async def serve(self) -> None:
         """Answer ZAP requests until cancelled (runs on the endpoint's loop)."""
