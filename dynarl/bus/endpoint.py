@@ -325,6 +325,7 @@ class Endpoint:
             task = peer.running.pop(frame.request_id, None)
             if task is not None:
                 task.cancel()
+                self.stats.cancelled += 1
             return
         body = frame.body
         entry = self._handlers.get(type(body))

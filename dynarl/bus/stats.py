@@ -85,6 +85,8 @@ class BusStats:
     """Requests sent."""
     replies_dropped: int = 0
     """Replies or notifications that could not be sent (peer gone or its queue full)."""
+    cancelled: int = 0
+    """Requests whose handler was cancelled because the requester sent CANCEL."""
     stale_replies: int = 0
     """Replies that matched no waiting request (it had timed out, been cancelled or failed)."""
     handler_errors: int = 0
@@ -107,6 +109,7 @@ class BusStats:
             "requests_in": self.requests_in,
             "requests_out": self.requests_out,
             "replies_dropped": self.replies_dropped,
+            "cancelled": self.cancelled,
             "stale_replies": self.stale_replies,
             "handler_errors": self.handler_errors,
             "peers_lost": self.peers_lost,
