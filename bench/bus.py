@@ -160,8 +160,15 @@ def per_op_us(work: Callable[[], object], iterations: int, repeats: int = 7) -> 
 
 
 def codec_figures() -> dict[str, float]:
-    from dynarl.bus import ControlMessage, DataMessage, MessageCodec, Sample, WorkerMetrics
-    from dynarl.bus import pack_tokens, unpack_tokens
+    from dynarl.bus import (
+        ControlMessage,
+        DataMessage,
+        MessageCodec,
+        Sample,
+        WorkerMetrics,
+        pack_tokens,
+        unpack_tokens,
+    )
 
     control: MessageCodec[Any] = MessageCodec(ControlMessage, 1 << 24)
     data: MessageCodec[Any] = MessageCodec(DataMessage, 1 << 24)
@@ -258,7 +265,10 @@ def main() -> int:
             ):
                 figures = run_on(loop, client(address, args.rtt_n, args.tput_n, args.inflight))
                 rounds[role].append(figures)
-                print(f"round {index} {role:5s} " + " ".join(f"{k}={v:,.1f}" for k, v in figures.items()))
+                print(
+                    f"round {index} {role:5s} "
+                    + " ".join(f"{k}={v:,.1f}" for k, v in figures.items())
+                )
     finally:
         stop(floor_proc)
         stop(bus_proc)
