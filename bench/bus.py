@@ -6,8 +6,11 @@ floor: no dynarl imported in that process) and a ``dynarl.bus.BusServer`` answer
 implementation (uvloop when installed). Rounds alternate floor and bus; each round
 measures the round-trip time with one request outstanding and the throughput with 100
 requests in flight (one request per message, no batching). Figures are medians over
-rounds. Then the typed codec: encode+decode of a ``WorkerMetrics`` report (nine scalar
-fields) and of a 4,096-token ``Sample`` whose token ids travel as packed int32 bytes.
+rounds. The bus answers ``Ping`` with a plain-function handler (run inline, no task per
+request); the ``task_per_request_*`` figures are the same measurement with a coroutine
+handler, which the bus runs as one task per request. Then the typed codec: encode+decode
+of a ``WorkerMetrics`` report (nine scalar fields) and of a 4,096-token ``Sample`` whose
+token ids travel as packed int32 bytes.
 
     .venv/bin/python bench/bus.py [--rounds 5]
 
@@ -66,9 +69,13 @@ async def serve_floor() -> None:
 
 
 async def serve_bus() -> None:
-    from dynarl.bus import BusServer
+    from dynarl.bus import Ack, BusServer, Interrupt, Peer
+
+    async def spawned(message: Interrupt, peer: Peer) -> Ack:
+        return Ack()  # a coroutine handler: the bus runs it as a task per request
 
     async with BusServer(name="bench") as server:
+        server.route(Interrupt, spawned)
         print(server.address, flush=True)
         await asyncio.Event().wait()
 
@@ -111,23 +118,28 @@ async def floor_client(address: str, rtt_n: int, tput_n: int, inflight: int) -> 
     return summarize(samples, tput_n / elapsed)
 
 
-async def bus_client(address: str, rtt_n: int, tput_n: int, inflight: int) -> dict[str, float]:
-    from dynarl.bus import BusClient, Ping
+async def bus_client(
+    address: str, rtt_n: int, tput_n: int, inflight: int, spawn: bool = False
+) -> dict[str, float]:
+    from dynarl.bus import BusClient, Interrupt, Ping
+
+    def message(seq: int) -> object:
+        return Interrupt(component="bench") if spawn else Ping(seq=seq)
 
     async with BusClient(address, name=f"bench-{os.getpid()}") as client:
         for seq in range(200):
-            await client.request(Ping(seq=seq))
+            await client.request(message(seq))
         samples = []
         for seq in range(rtt_n):
             start = time.perf_counter_ns()
-            await client.request(Ping(seq=seq))
+            await client.request(message(seq))
             samples.append(time.perf_counter_ns() - start)
         remaining = [tput_n]
 
         async def worker() -> None:
             while remaining[0] > 0:
                 remaining[0] -= 1
-                await client.request(Ping(seq=remaining[0]))
+                await client.request(message(remaining[0]))
 
         start = time.perf_counter()
         async with asyncio.TaskGroup() as group:
@@ -256,14 +268,16 @@ def main() -> int:
     loop = loop_name()
     floor_proc, floor_address = start_server("floor", loop)
     bus_proc, bus_address = start_server("bus", loop)
-    rounds: dict[str, list[dict[str, float]]] = {"floor": [], "bus": []}
+    rounds: dict[str, list[dict[str, float]]] = {"floor": [], "bus": [], "spawn": []}
+    clients = {
+        "floor": lambda: floor_client(floor_address, args.rtt_n, args.tput_n, args.inflight),
+        "bus": lambda: bus_client(bus_address, args.rtt_n, args.tput_n, args.inflight),
+        "spawn": lambda: bus_client(bus_address, args.rtt_n, args.tput_n, args.inflight, True),
+    }
     try:
         for index in range(args.rounds):
-            for role, client, address in (
-                ("floor", floor_client, floor_address),
-                ("bus", bus_client, bus_address),
-            ):
-                figures = run_on(loop, client(address, args.rtt_n, args.tput_n, args.inflight))
+            for role, client in clients.items():
+                figures = run_on(loop, client())
                 rounds[role].append(figures)
                 print(
                     f"round {index} {role:5s} "
@@ -292,6 +306,8 @@ def main() -> int:
         "rtt_p50_spread_us": spread("bus", "p50_us"),
         "floor_throughput_spread_rps": spread("floor", "rps"),
         "throughput_spread_rps": spread("bus", "rps"),
+        "task_per_request_rtt_p50_us": median("spawn", "p50_us"),
+        "task_per_request_throughput_rps": median("spawn", "rps"),
     }
     result["rtt_ratio_to_floor"] = result["rtt_p50_us"] / result["floor_rtt_p50_us"]
     result["throughput_ratio_to_floor"] = result["throughput_rps"] / result["floor_throughput_rps"]

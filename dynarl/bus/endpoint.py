@@ -100,6 +100,8 @@ class Endpoint:
         self._closed = False
         self._waiting = False
         """Whether the receive loop awaits the link: only then must sends use the slow path."""
+        self._woke = False
+        """Whether the message just handled resumed a waiting request."""
         self.route(Ping, _pong)
 
     # ------------------------------------------------------------------ public
@@ -190,6 +192,7 @@ class Endpoint:
             backlog = future.done()
             frames = await future
             self._waiting = False
+            self._woke = False
             handle(frames)
             if backlog:  # drain the queue without the cost of an awaited receive per message
                 for _ in range(_BURST):
@@ -197,10 +200,12 @@ class Endpoint:
                     if queued is None:
                         break
                     handle(queued)
-            # Let the requests just answered resume (and send their next frames cheaply,
-            # see ``_waiting``) before the next receive is armed; this also keeps a flood
-            # from starving other tasks, since awaiting a ready socket does not yield.
-            await asyncio.sleep(0)
+            if backlog or self._woke:
+                # Let the requests just answered resume (and send their next frames
+                # cheaply, see ``_waiting``) before the next receive is armed; this also
+                # keeps a flood from starving other tasks (awaiting a ready socket does
+                # not yield to them).
+                await asyncio.sleep(0)
 
     # ------------------------------------------------------------------ outgoing
 
@@ -367,6 +372,7 @@ class Endpoint:
         future = entry[0]
         if future.done():
             return
+        self._woke = True
         if isinstance(body, ErrorReply):
             future.set_exception(error_from_reply(body))
         elif body is None:
