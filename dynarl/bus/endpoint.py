@@ -14,29 +14,33 @@ cancelled when the requester cancels or is lost.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import inspect
 import itertools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
-from typing import Any, Final, get_args
+from typing import Any, Final
 
 from dynarl.bus.codec import Frame, FrameCodec, Refusal
 from dynarl.bus.config import BusConfig
-from dynarl.bus.messages import Ack, ErrorReply, Message, Ping, Pong
+from dynarl.bus.messages import MESSAGE_TYPES, Ack, ErrorReply, Ping, Pong
 from dynarl.bus.peers import Peer
-from dynarl.bus.stats import BAD_FRAME_REASONS, BusStats, RateLimitedLog
+from dynarl.bus.pending import PendingRequests
+from dynarl.bus.stats import (
+    BAD_FRAME_REASONS,
+    BusStats,
+    RateLimitedLog,
+    error_code,
+    error_from_reply,
+)
 from dynarl.errors import (
     BusError,
-    DeadlineExceeded,
     PeerLostError,
     ProtocolError,
-    RemoteError,
 )
 
-__all__ = ["Endpoint", "Handler", "error_from_reply"]
+__all__ = ["Endpoint", "Handler"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,36 +48,14 @@ Handler = Callable[[Any, Peer], Any]
 """``handler(message, peer)`` returning the reply (a bus message, or None for ``Ack``),
 or a coroutine function returning it."""
 
-MESSAGE_TYPES: Final = frozenset(get_args(Message))
-_PROTOCOL_CODES: Final = frozenset(
-    {"frame_count", "oversize", "malformed", "unknown_kind", "unknown_tag", "invalid"}
-    | {"protocol_version", "no_handler"}
-)
 _MAX_TIMEOUT_MS: Final = 2**32 - 1
 _ACK: Final = Ack()
 _REQUEST, _REPLY, _NOTIFY, _CANCEL = 1, 2, 3, 4
 _BURST: Final = 256
 
 
-def error_from_reply(reply: ErrorReply) -> BusError:
-    """The exception a requester raises for an error reply."""
-    if reply.code in _PROTOCOL_CODES:
-        return ProtocolError(f"{reply.code}: {reply.message}")
-    if reply.code == "deadline_exceeded":
-        return DeadlineExceeded(reply.message)
-    return RemoteError(reply.code, reply.message)
-
-
 def _pong(message: Ping, peer: Peer) -> Pong:
     return Pong(seq=message.seq, payload=message.payload)
-
-
-def _error_code(exc: BaseException) -> str:
-    if isinstance(exc, ValueError | TypeError):
-        return "bad_request"
-    if isinstance(exc, DeadlineExceeded):
-        return "deadline_exceeded"
-    return "handler_error"
 
 
 class Endpoint:
@@ -89,10 +71,6 @@ class Endpoint:
         self._encode = self._codec.encode
         self._log = RateLimitedLog(logger, config.log_interval_s)
         self._handlers: dict[type, tuple[Handler, bool]] = {}
-        self._waiters: dict[int, tuple[asyncio.Future[Any], Peer, float]] = {}
-        self._deadlines: list[tuple[float, int]] = []
-        self._alarm: asyncio.TimerHandle | None = None
-        self._alarm_at = math.inf
         self._ids = itertools.count(1)
         self._group: asyncio.TaskGroup | None = None
         self._background: list[asyncio.Task[None]] = []
@@ -152,6 +130,8 @@ class Endpoint:
     async def _start(self, *loops: Awaitable[None]) -> None:
         self._loop = asyncio.get_running_loop()
         self._now = self._loop.time
+        self._pending = PendingRequests(self._loop, self._cancel_remote)
+        self._waiters = self._pending.waiting
         group = asyncio.TaskGroup()
         await group.__aenter__()
         self._group = group
@@ -165,15 +145,13 @@ class Endpoint:
         tb: TracebackType | None = None,
     ) -> None:
         self._closed = True
-        if self._alarm is not None:
-            self._alarm.cancel()
         for task in [*self._background, *self._notified]:
             task.cancel()
         for peer in peers:
             for task in peer.running.values():
                 task.cancel()
             peer.running.clear()
-        self._fail_waiters(None, BusError(f"endpoint {self.name!r} closed"))
+        self._pending.close(BusError(f"endpoint {self.name!r} closed"))
         group, self._group = self._group, None
         if group is not None:
             # Not the body's exception: the task group would wrap it in an ExceptionGroup.
@@ -217,11 +195,12 @@ class Endpoint:
         seconds = self.config.default_timeout_s if timeout is None else timeout
         if not seconds > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
+        if self._group is None:
+            raise BusError(f"endpoint {self.name!r} is not started")
         rid = next(self._ids)
         data = self._encode(_REQUEST, rid, min(math.ceil(seconds * 1000), _MAX_TIMEOUT_MS), message)
         future = self._loop.create_future()
-        self._waiters[rid] = (future, peer, seconds)
-        self._arm(self._now() + seconds, rid)
+        self._pending.add(rid, future, peer, seconds)
         try:
             if not self._out(peer.key, data):
                 raise BusError(f"could not send to {peer.name!r}: unreachable or queue full")
@@ -234,41 +213,6 @@ class Endpoint:
             raise
         finally:
             self._waiters.pop(rid, None)
-
-    def _arm(self, deadline: float, rid: int) -> None:
-        # One timer for all deadlines (a heap of them), not one per request: a timer
-        # costs more than the rest of a request's bookkeeping together.
-        deadlines = self._deadlines
-        heapq.heappush(deadlines, (deadline, rid))
-        if deadline < self._alarm_at:
-            if self._alarm is not None:
-                self._alarm.cancel()
-            self._alarm_at = deadline
-            self._alarm = self._loop.call_at(deadline, self._sweep)
-        if len(deadlines) > 2 * len(self._waiters) + 1024:
-            self._deadlines = [entry for entry in deadlines if entry[1] in self._waiters]
-            heapq.heapify(self._deadlines)
-
-    def _sweep(self) -> None:
-        deadlines, now = self._deadlines, self._now()
-        while deadlines and (deadlines[0][0] <= now or deadlines[0][1] not in self._waiters):
-            self._expire(heapq.heappop(deadlines)[1])
-        self._alarm = None
-        self._alarm_at = math.inf
-        if deadlines:
-            self._alarm_at = deadlines[0][0]
-            self._alarm = self._loop.call_at(self._alarm_at, self._sweep)
-
-    def _expire(self, rid: int) -> None:
-        entry = self._waiters.pop(rid, None)
-        if entry is None:
-            return
-        future, peer, seconds = entry
-        if not future.done():
-            future.set_exception(
-                DeadlineExceeded(f"no reply from {peer.name!r} within {seconds:g} s")
-            )
-        self._cancel_remote(peer, rid)
 
     def _cancel_remote(self, peer: Peer, rid: int) -> None:
         if not peer.lost and not self._closed:
@@ -284,17 +228,10 @@ class Endpoint:
             self.stats.replies_dropped += 1
         return sent
 
-    def _fail_waiters(self, peer: Peer | None, exc: BusError) -> None:
-        for rid, (future, target, _) in list(self._waiters.items()):
-            if peer is None or target is peer:
-                del self._waiters[rid]
-                if not future.done():
-                    future.set_exception(exc)
-
     def _lose(self, peer: Peer, exc: BusError) -> None:
         """Mark ``peer`` lost: fail the requests waiting on it, cancel its handler tasks."""
         peer.lost = True
-        self._fail_waiters(peer, exc)
+        self._pending.fail(peer, exc)
         for task in peer.running.values():
             task.cancel()
         peer.running.clear()
@@ -396,7 +333,7 @@ class Endpoint:
             type(exc).__name__,
             exc,
         )
-        return ErrorReply(code=_error_code(exc), message=f"{type(exc).__name__}: {exc}")
+        return ErrorReply(code=error_code(exc), message=f"{type(exc).__name__}: {exc}")
 
     async def _serve(
         self, handler: Handler, body: Any, peer: Peer, rid: int, timeout_ms: int

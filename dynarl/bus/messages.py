@@ -14,7 +14,7 @@ in the ``"type"`` field of a MessagePack map), ``frozen=True`` and ``kw_only=Tru
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, get_args
 
 import msgspec
 import numpy as np
@@ -23,6 +23,7 @@ import numpy.typing as npt
 from dynarl.bus.records import ComponentReport, DecisionRecord, MigrationRecord, WorkerMetrics
 
 __all__ = [
+    "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "SUPPORTED_PROTOCOLS",
     "Ack",
@@ -335,6 +336,8 @@ EventMessage = DecisionRecord | MigrationRecord | ComponentReport | PeerEvent
 """Messages of the event channel (publish/subscribe)."""
 Message = ControlMessage | DataMessage
 """What the request/reply socket carries: the control and data channels."""
+MESSAGE_TYPES: Final = frozenset(get_args(Message))
+"""The message classes of :data:`Message` (what a request/reply handler may be routed)."""
 
 _TOKEN_DTYPE: Final = np.dtype("<i4")
 

@@ -1,4 +1,4 @@
-"""Counters of a bus endpoint and rate-limited logging of bad input.
+"""Counters of a bus endpoint, its error codes, and rate-limited logging of bad input.
 
 Every refused frame is counted under one reason (the same string as the ``code`` of the
 error reply sent back, see ``docs/wire.md``) and logged at most once per
@@ -14,7 +14,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["BAD_FRAME_REASONS", "BusStats", "RateLimitedLog"]
+from dynarl.bus.messages import ErrorReply
+from dynarl.errors import BusError, DeadlineExceeded, ProtocolError, RemoteError
+
+__all__ = ["BAD_FRAME_REASONS", "BusStats", "RateLimitedLog", "error_code", "error_from_reply"]
 
 BAD_FRAME_REASONS = (
     "frame_count",
@@ -28,6 +31,24 @@ BAD_FRAME_REASONS = (
     "no_handler",
 )
 """Reasons a received frame is refused; each is also the ``code`` of the error reply."""
+
+
+def error_from_reply(reply: ErrorReply) -> BusError:
+    """The exception a requester raises for an error reply (``docs/wire.md`` §7)."""
+    if reply.code in BAD_FRAME_REASONS:
+        return ProtocolError(f"{reply.code}: {reply.message}")
+    if reply.code == "deadline_exceeded":
+        return DeadlineExceeded(reply.message)
+    return RemoteError(reply.code, reply.message)
+
+
+def error_code(exc: BaseException) -> str:
+    """The error reply code for an exception a handler raised."""
+    if isinstance(exc, ValueError | TypeError):
+        return "bad_request"
+    if isinstance(exc, DeadlineExceeded):
+        return "deadline_exceeded"
+    return "handler_error"
 
 
 class RateLimitedLog:
