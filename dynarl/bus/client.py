@@ -114,6 +114,9 @@ class BusClient(Endpoint):
             raise
         self.welcome = reply
         self._server.name = reply.server
+        # Refuse locally what the server would refuse (its limit may be lower than ours).
+        limit = min(self._codec.max_message_bytes, reply.max_message_bytes)
+        self._codec.max_message_bytes = limit
         assert self._group is not None
         self._background.append(self._group.create_task(self._heartbeat(reply)))
         logger.info("bus client %s registered with %s at %s", self.name, reply.server, link.address)

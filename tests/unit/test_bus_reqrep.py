@@ -334,3 +334,18 @@ def test_no_request_waits_for_a_missed_wake_up(transport: str) -> None:
                     group.create_task(calls(10, lambda n: server.request("w0", Ping(seq=n))))
 
     drive(main(), 120)
+
+
+def test_the_client_adopts_the_servers_smaller_size_limit() -> None:
+    async def main() -> None:
+        small = BusConfig(max_message_bytes=1024, heartbeat_interval_s=0.05)
+        async with BusServer(address("mem"), config=small) as server:
+            async with BusClient(server.address, name="w0", config=FAST) as client:
+                # refused by the client's own encoder, before anything is sent
+                with pytest.raises(
+                    ProtocolError, match="a Ping frame of .* max_message_bytes=1024"
+                ):
+                    await client.request(Ping(payload=b"x" * 2000))
+                assert await client.request(Ping(payload=b"x" * 900)) == Pong(payload=b"x" * 900)
+
+    drive(main())
