@@ -343,7 +343,7 @@ def test_the_client_adopts_the_servers_smaller_size_limit() -> None:
             async with BusClient(server.address, name="w0", config=FAST) as client:
                 # refused by the client's own encoder, before anything is sent
                 with pytest.raises(
-                    ProtocolError, match="a Ping frame of .* max_message_bytes=1024"
+                    ProtocolError, match=r"a Ping frame of .* max_message_bytes=1024"
                 ):
                     await client.request(Ping(payload=b"x" * 2000))
                 assert await client.request(Ping(payload=b"x" * 900)) == Pong(payload=b"x" * 900)
