@@ -111,6 +111,8 @@ def main(address: str) -> dict[str, Any]:
         assert client.call({"type": "Ping", "seq": 3})["seq"] == 3
 
         client.send(NOTIFY, 0, 0, {"type": "Unregister", "reason": "done"})
+        gone = client.call({"type": "Ping", "seq": 4})  # the server has forgotten us
+        assert gone["type"] == "ErrorReply" and gone["code"] == "not_registered", gone
         assert not any(name.startswith("dynarl") for name in sys.modules), "imported dynarl"
         return {"welcome": welcome, "echoes": client.echoes}
     finally:
