@@ -172,6 +172,7 @@ class MessageCodec(Generic[T]):
         self.max_message_bytes = max_message_bytes
         self._encode = msgspec.msgpack.Encoder().encode
         self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(union)
+        self._decode = self._decoder.decode
         self._tags = _known_tags(union)
 
     def encode(self, message: T) -> bytes:
@@ -191,13 +192,17 @@ class MessageCodec(Generic[T]):
                 "oversize", f"{len(data)} bytes exceed max_message_bytes={self.max_message_bytes}"
             )
         try:
-            return self._decoder.decode(data)
+            return self._decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return Refusal(*_classify(exc, data, self._tags))
 
     def decode(self, data: bytes) -> T:
         """The message. Raises ProtocolError naming what was wrong."""
-        result = self.try_decode(data)
-        if isinstance(result, Refusal):
-            raise result.error()
-        return result
+        if len(data) <= self.max_message_bytes:
+            try:
+                return self._decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass
+        refusal = self.try_decode(data)
+        assert isinstance(refusal, Refusal)
+        raise refusal.error()
