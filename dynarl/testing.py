@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec.inspect as mi
-from hypothesis import strategies as st
+
+if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
 
 __all__: list[str] = ["message_strategy"]
 
@@ -25,7 +27,9 @@ def _bounds(info: mi.IntType) -> tuple[int, int]:
     return low, high
 
 
-def _strategy(info: mi.Type) -> st.SearchStrategy[Any]:
+def _strategy(info: mi.Type) -> SearchStrategy[Any]:
+    from hypothesis import strategies as st  # a dev dependency: imported only when used
+
     match info:
         case mi.UnionType(types=types):
             return st.one_of(*[_strategy(member) for member in types])
@@ -53,12 +57,12 @@ def _strategy(info: mi.Type) -> st.SearchStrategy[Any]:
     raise NotImplementedError(f"no strategy for {info!r}")
 
 
-def message_strategy(message_type: Any) -> st.SearchStrategy[Any]:
+def message_strategy(message_type: Any) -> SearchStrategy[Any]:
     """A hypothesis strategy of instances of a bus message type or union of them.
 
     Built from the ``msgspec`` type information, so it follows the messages as they
     change: every field gets arbitrary values of its declared type (floats without NaN,
-    so that round trips compare equal). Raises NotImplementedError for a field type it
-    does not know.
+    so that round trips compare equal). Needs hypothesis (the ``dev`` extra). Raises
+    NotImplementedError for a field type it does not know.
     """
     return _strategy(mi.type_info(message_type))
