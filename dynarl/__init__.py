@@ -7,6 +7,8 @@ The public surface users touch directly is re-exported here; each package
 
 from __future__ import annotations
 
+from dynarl.bus.channel import Channel
+from dynarl.bus.component import WorkerGroup
 from dynarl.errors import (
     BackendError,
     BusError,
@@ -29,6 +31,7 @@ __all__ = [
     "Allocation",
     "BackendError",
     "BusError",
+    "Channel",
     "ComponentKind",
     "DeadlineExceeded",
     "DynarlError",
@@ -42,4 +45,5 @@ __all__ = [
     "RemoteError",
     "SchedulingError",
     "WorkerError",
+    "WorkerGroup",
 ]
