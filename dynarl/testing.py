@@ -27,6 +27,7 @@ def __getattr__(name: str) -> Any:
         return getattr(sglang_fake, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 _I64 = (-(2**63), 2**63 - 1)
 
 
