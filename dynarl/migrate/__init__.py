@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
+from dynarl.migrate.buffer import BufferParam, DPBuffer, dp_buffer, dp_param_ranges
+from dynarl.migrate.layout import (
+    OPTIMIZER_STATES,
+    Layout,
+    LayoutSpec,
+    ParamSpec,
+    Placement,
+    Sliceable,
+    Stage,
+    replicated_layout,
+    state_tensor,
+)
+from dynarl.migrate.placement import local_shape, trainer_layout
 from dynarl.migrate.plan import ReshardPlan, Transfer, plan_reshard
 from dynarl.migrate.region import (
     DTYPE_SIZES,
@@ -14,14 +27,29 @@ from dynarl.migrate.region import (
 )
 
 __all__ = [
+    "BufferParam",
+    "DPBuffer",
     "DTYPE_SIZES",
+    "Layout",
+    "LayoutSpec",
+    "OPTIMIZER_STATES",
+    "ParamSpec",
+    "Placement",
     "Region",
     "ReshardPlan",
     "Shard",
+    "Sliceable",
+    "Stage",
     "TensorSpec",
     "Transfer",
     "box_difference",
+    "dp_buffer",
+    "dp_param_ranges",
     "dtype_size",
     "flat_range_boxes",
+    "local_shape",
     "plan_reshard",
+    "replicated_layout",
+    "state_tensor",
+    "trainer_layout",
 ]
