@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dynarl.migrate.buffer import BufferParam, DPBuffer, dp_buffer, dp_param_ranges
+from dynarl.migrate.executor import ExecutorConfig, TransferReport, checksum, execute_plan
+from dynarl.migrate.groups import CommGroup, LayoutGroups, build_group
 from dynarl.migrate.layout import (
     OPTIMIZER_STATES,
     Layout,
@@ -27,12 +29,15 @@ from dynarl.migrate.region import (
 )
 
 __all__ = [
-    "BufferParam",
-    "DPBuffer",
     "DTYPE_SIZES",
-    "Layout",
-    "LayoutSpec",
     "OPTIMIZER_STATES",
+    "BufferParam",
+    "CommGroup",
+    "DPBuffer",
+    "ExecutorConfig",
+    "Layout",
+    "LayoutGroups",
+    "LayoutSpec",
     "ParamSpec",
     "Placement",
     "Region",
@@ -42,10 +47,14 @@ __all__ = [
     "Stage",
     "TensorSpec",
     "Transfer",
+    "TransferReport",
     "box_difference",
+    "build_group",
+    "checksum",
     "dp_buffer",
     "dp_param_ranges",
     "dtype_size",
+    "execute_plan",
     "flat_range_boxes",
     "local_shape",
     "plan_reshard",
