@@ -6,7 +6,6 @@ from dynarl.migrate.buffer import BufferParam, DPBuffer, dp_buffer, dp_param_ran
 from dynarl.migrate.executor import ExecutorConfig, TransferReport, checksum, execute_plan
 from dynarl.migrate.groups import CommGroup, LayoutGroups, build_group
 from dynarl.migrate.layout import (
-    OPTIMIZER_STATES,
     Layout,
     LayoutSpec,
     ParamSpec,
@@ -19,7 +18,6 @@ from dynarl.migrate.layout import (
 from dynarl.migrate.placement import local_shape, trainer_layout
 from dynarl.migrate.plan import ReshardPlan, Transfer, plan_reshard
 from dynarl.migrate.region import (
-    DTYPE_SIZES,
     Region,
     Shard,
     TensorSpec,
@@ -29,8 +27,6 @@ from dynarl.migrate.region import (
 )
 
 __all__ = [
-    "DTYPE_SIZES",
-    "OPTIMIZER_STATES",
     "BufferParam",
     "CommGroup",
     "DPBuffer",
