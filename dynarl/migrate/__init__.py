@@ -15,8 +15,22 @@ from dynarl.migrate.layout import (
     replicated_layout,
     state_tensor,
 )
+from dynarl.migrate.p2p import P2PConfig, P2PMigration, ShardedTrainer
 from dynarl.migrate.placement import local_shape, trainer_layout
 from dynarl.migrate.plan import ReshardPlan, Transfer, plan_reshard
+from dynarl.migrate.protocol import (
+    Migration,
+    MigrationState,
+    Outcome,
+    Start,
+    Step,
+    begin,
+    finish,
+    new_migration,
+    record_refusal,
+    run_step,
+)
+from dynarl.migrate.reboot import RebootHost, RebootMigration
 from dynarl.migrate.region import (
     Region,
     Shard,
@@ -25,6 +39,7 @@ from dynarl.migrate.region import (
     dtype_size,
     flat_range_boxes,
 )
+from dynarl.migrate.workload import PartialRequest, WorkloadHost, WorkloadMigration
 
 __all__ = [
     "BufferParam",
@@ -34,16 +49,30 @@ __all__ = [
     "Layout",
     "LayoutGroups",
     "LayoutSpec",
+    "Migration",
+    "MigrationState",
+    "Outcome",
+    "P2PConfig",
+    "P2PMigration",
     "ParamSpec",
+    "PartialRequest",
     "Placement",
+    "RebootHost",
+    "RebootMigration",
     "Region",
     "ReshardPlan",
     "Shard",
+    "ShardedTrainer",
     "Sliceable",
     "Stage",
+    "Start",
+    "Step",
     "TensorSpec",
     "Transfer",
     "TransferReport",
+    "WorkloadHost",
+    "WorkloadMigration",
+    "begin",
     "box_difference",
     "build_group",
     "checksum",
@@ -51,10 +80,14 @@ __all__ = [
     "dp_param_ranges",
     "dtype_size",
     "execute_plan",
+    "finish",
     "flat_range_boxes",
     "local_shape",
+    "new_migration",
     "plan_reshard",
+    "record_refusal",
     "replicated_layout",
+    "run_step",
     "state_tensor",
     "trainer_layout",
 ]

@@ -218,6 +218,8 @@ class Layout:
     """Every shard with its local placement."""
     local_shapes: tuple[tuple[str, int, tuple[int, ...]], ...]
     """``(tensor, rank, shape)`` of each rank's local tensor."""
+    spec: LayoutSpec | None = None
+    """The trainer layout it was built from (None for a replicated layout)."""
 
     @property
     def shards(self) -> tuple[Shard, ...]:

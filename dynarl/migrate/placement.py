@@ -64,6 +64,7 @@ def trainer_layout(params: Sequence[ParamSpec], spec: LayoutSpec) -> Layout:
         tensors=tensors,
         placements=tuple(placements),
         local_shapes=tuple(shapes),
+        spec=spec,
     )
 
 

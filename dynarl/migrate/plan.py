@@ -146,9 +146,11 @@ def plan_reshard(
             covered += box_numel(box)
             if shard.rank in holders:
                 item = Transfer(
-                    tensor=name, src_rank=shard.rank, dst_rank=shard.rank,
+                    tensor=name,
+                    src_rank=shard.rank,
+                    dst_rank=shard.rank,
                     region=Region.from_box(box),
-                )  # fmt: skip
+                )
                 local.append((order, item))
             else:
                 remote.setdefault(holders, []).append(box)
@@ -172,9 +174,11 @@ def plan_reshard(
         max_rank_send_bytes=max(_loads(granules, senders).values(), default=0),
     )
     logger.debug(
-        "planned reshard: %d items, %d bytes moved, %d local", len(items), plan.bytes_moved,
+        "planned reshard: %d items, %d bytes moved, %d local",
+        len(items),
+        plan.bytes_moved,
         plan.local_bytes,
-    )  # fmt: skip
+    )
     return plan
 
 
