@@ -10,8 +10,9 @@ boundary by aborting in-flight work); ``migrate(dest_resources)`` the rest.
 No request is lost or duplicated: drained requests are recorded once (a repeated ``drain``
 returns the same list and aborts nothing again), re-dispatched once, and checked for
 duplicate ids. ``abort`` then ``rollback`` before commit resumes routing to the donors
-(re-acquiring memory if it was released); requests already re-dispatched stay where they
-went, so nothing runs twice.
+(re-acquiring memory if it was released) and re-dispatches drained requests that had not
+been re-dispatched yet; requests already re-dispatched stay where they went, so nothing
+runs twice.
 
 The component itself is injected as a :class:`WorkloadHost` (the runtime's group manager
 implements it). Runs on the manager's event loop.
@@ -165,6 +166,11 @@ class WorkloadMigration:
 
     async def _resume(self) -> str:
         await self._host.resume(self.donors)
+        sent = set(self.dispatched)
+        pending = tuple(r for r in self.drained if r.request_id not in sent)
+        if pending:  # drained but never re-dispatched: they must not be lost
+            await self._host.redispatch(pending, self.donors + self.remaining)
+            self.dispatched += tuple(r.request_id for r in pending)
         return ""
 
     async def _nothing(self) -> str:
