@@ -1,4 +1,10 @@
-"""State movement: reshard plans, the p2p executor, the three migration kinds."""
+"""State movement: reshard plans, the p2p executor, the three migration kinds.
+
+Pure planning (:mod:`.region`, :mod:`.plan`, :mod:`.layout`, :mod:`.placement`,
+:mod:`.buffer`, :mod:`.protocol`) imports no torch.distributed; the torch side
+(:mod:`.groups`, :mod:`.executor`, :mod:`.p2p`) carries plans out; :mod:`.megatron_layout`
+is the only module that knows Megatron-core, which it imports lazily.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,16 @@ from dynarl.migrate.layout import (
     Stage,
     replicated_layout,
     state_tensor,
+)
+from dynarl.migrate.megatron_layout import (
+    install_parallel_state,
+    merge_stage_specs,
+    param_names,
+    param_specs,
+    process_group_collection,
+    restore_parallel_state,
+    sharded_state_dict_mismatches,
+    state_tensors,
 )
 from dynarl.migrate.p2p import P2PConfig, P2PMigration, ShardedTrainer
 from dynarl.migrate.placement import local_shape, trainer_layout
@@ -82,12 +98,20 @@ __all__ = [
     "execute_plan",
     "finish",
     "flat_range_boxes",
+    "install_parallel_state",
     "local_shape",
+    "merge_stage_specs",
     "new_migration",
+    "param_names",
+    "param_specs",
     "plan_reshard",
+    "process_group_collection",
     "record_refusal",
     "replicated_layout",
+    "restore_parallel_state",
     "run_step",
+    "sharded_state_dict_mismatches",
     "state_tensor",
+    "state_tensors",
     "trainer_layout",
 ]
