@@ -1,17 +1,19 @@
 """Carry a ReshardPlan out over torch.distributed: batched isend/irecv, bounded memory.
 
-Every rank of the plan calls :func:`execute_plan` with the same plan, a group spanning the
-plan's ranks, views of the shards it holds now (``sources``) and views of the freshly
-allocated shards it will hold (``destinations``). Local items are copied directly. Remote
-items travel in rounds: per peer, items are cut into element-aligned pieces and packed
-into one byte buffer of at most ``chunk_bytes`` per round, all pairs are posted with one
-``batch_isend_irecv`` and waited with an explicit timeout, then unpacked. Both ends derive
-the same schedule from the plan, so no sizes are exchanged. Staging memory per rank is at
-most ``chunk_bytes`` per peer it sends to or receives from. With ``verify``, every piece is
-checksummed at the source (the bytes read from the source shard) and at the destination
-(the bytes read back from the destination shard); the source checksums follow in a last
-round, and mismatching destination shards are reported. Gloo (CPU tensors) and NCCL (CUDA
-tensors) take the same code path.
+Every rank of the plan builds a :class:`PlanExecutor` with the same plan and a group over
+the plan's ranks. :meth:`PlanExecutor.prepare` (before the trainer pauses) derives the
+message schedule from the plan alone, so both ends agree without exchanging sizes, and
+allocates and touches the staging buffers. :meth:`PlanExecutor.run` (during the pause)
+copies local items, then sends in rounds: items of at least ``direct_bytes`` travel as their
+own messages straight from the source shard and into the destination shard when those
+views are contiguous (a staging buffer otherwise); smaller items are packed per peer into
+one buffer. A round carries at most ``chunk_bytes`` per peer and direction (large items are
+cut into element-aligned pieces), is posted with one ``batch_isend_irecv`` and waited with an
+explicit timeout. With ``verify``, every remote piece is checksummed (CRC-32 on CPU, a
+device-side weighted sum on CUDA) at the source, from the bytes read there, and at the
+destination, from the bytes read back there; source checksums follow in a last message per
+peer. Local copies are compared bitwise. Mismatching destination shards are reported. Gloo
+(CPU) and NCCL (CUDA) take the same path.
 
 Runs on every rank of the plan, in the trainer's thread; blocks until done or timed out.
 """
@@ -22,7 +24,8 @@ import logging
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -34,7 +37,7 @@ from dynarl.migrate.groups import CommGroup
 from dynarl.migrate.plan import ReshardPlan, Transfer
 from dynarl.migrate.region import Region, Shard, flat_range_boxes
 
-__all__ = ["ExecutorConfig", "TransferReport", "checksum", "execute_plan"]
+__all__ = ["ExecutorConfig", "PlanExecutor", "TransferReport", "checksum", "execute_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,20 +46,24 @@ _ALIGN = 8
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ExecutorConfig:
-    """How :func:`execute_plan` moves bytes."""
+    """How a plan's bytes move."""
 
     chunk_bytes: int = 64 << 20
-    """Most bytes staged per peer per round (bounds the extra memory)."""
+    """Most bytes in flight per peer and direction per round (bounds staging memory)."""
+    direct_bytes: int = 1 << 20
+    """Items at least this large travel as their own messages (no packing when contiguous)."""
     timeout_s: float = 60.0
     """Deadline of every wait on the network, seconds."""
     verify: bool = True
-    """Checksum every piece at both ends and report mismatching destination shards."""
+    """Checksum remote pieces at both ends and compare local copies bitwise."""
+    checksum_threads: int = 2
+    """Threads computing checksums (CRC-32 releases the GIL), overlapping the network."""
 
     def __post_init__(self) -> None:
-        if self.chunk_bytes < _ALIGN:
-            raise ValueError(f"chunk_bytes must be >= {_ALIGN}, got {self.chunk_bytes}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.chunk_bytes < _ALIGN or self.direct_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= {_ALIGN} and direct_bytes >= 1")
+        if self.timeout_s <= 0 or self.checksum_threads < 1:
+            raise ValueError("timeout_s must be > 0 and checksum_threads >= 1")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,14 +78,24 @@ class TransferReport:
     """Bytes it copied locally."""
     num_rounds: int
     """Network rounds (same on every rank)."""
+    num_messages: int
+    """Messages this rank posted (sends and receives, checksums excluded)."""
     copy_s: float
     """Seconds packing, unpacking and copying locally."""
     wire_s: float
-    """Seconds from posting the sends and receives of a round until all completed."""
+    """Seconds from posting a round's sends and receives until all completed, summed (the
+    local copies overlapping the first round included)."""
     checksum_s: float
-    """Seconds computing and exchanging checksums."""
+    """Seconds checksumming and comparing not hidden behind the network."""
+    first_post_s: float = 0.0
+    """Seconds from the start of the transfer until this rank posted its first message."""
+    posted_at: tuple[float, ...] = ()
+    """Per round, ``time.monotonic()`` when this rank had posted everything (system-wide
+    clock: comparable across the ranks of one machine)."""
+    done_at: tuple[float, ...] = ()
+    """Per round, ``time.monotonic()`` when this rank's transfers had all completed."""
     mismatched: tuple[Shard, ...] = field(default=())
-    """Destination shards on this rank whose checksum did not match the source's."""
+    """Destination shards on this rank whose data did not match the source's."""
 
     @property
     def verified(self) -> bool:
@@ -88,7 +105,7 @@ class TransferReport:
 
 @dataclass(frozen=True, slots=True)
 class _Piece:
-    """Elements ``[start, stop)`` (row-major) of ``item``, at ``offset`` of its round buffer."""
+    """Elements ``[start, stop)`` (row-major) of ``item``, at ``offset`` of its message."""
 
     item: Transfer
     start: int
@@ -97,11 +114,22 @@ class _Piece:
     nbytes: int
 
 
-def checksum(data: torch.Tensor) -> int:
-    """A position-sensitive checksum of a contiguous uint8 tensor.
+@dataclass(slots=True)
+class _Message:
+    """One isend or irecv: packed small pieces, or one piece of a large item."""
 
-    CPU: CRC-32 (zlib). CUDA: a weighted sum of 32-bit words computed on the device, so
-    verification does not copy the data to the host.
+    peer: int
+    pieces: list[_Piece]
+    direct: bool
+    nbytes: int = 0
+    buffer: torch.Tensor | None = None
+
+
+def checksum(data: torch.Tensor) -> int:
+    """A position-sensitive checksum of a contiguous 1-D uint8 tensor.
+
+    CPU: CRC-32 (zlib, releases the GIL). CUDA: a weighted sum of 32-bit words computed on
+    the device, so verification does not copy the data to the host.
     """
     assert data.dtype == torch.uint8 and data.dim() == 1
     if data.device.type == "cpu":
@@ -121,78 +149,325 @@ def execute_plan(
     destinations: Mapping[Shard, torch.Tensor],
     config: ExecutorConfig | None = None,
 ) -> TransferReport:
-    """Run this rank's part of ``plan``.
+    """Prepare and run this rank's part of ``plan`` in one call (see :class:`PlanExecutor`)."""
+    executor = PlanExecutor(plan, rank=rank, group=group, config=config)
+    executor.prepare(destinations)
+    return executor.run(sources)
 
-    ``sources``/``destinations`` map every shard of ``plan.src``/``plan.dst`` held by
-    ``rank`` to a tensor view shaped like its region. ``group`` must span every rank that
-    sends or receives (None only when nothing crosses ranks). Raises ValueError when a view
-    is missing or misshaped, MigrationError when a wait exceeds the timeout or the
-    transport fails; destination views may then hold partial data, sources are untouched.
+
+class PlanExecutor:
+    """This rank's part of a plan: schedule and buffers first, then the transfer.
+
+    ``group`` must span every rank that sends or receives (None only when nothing crosses
+    ranks); raises ValueError otherwise.
     """
-    config = config or ExecutorConfig()
-    src_index = _view_index(plan.src, sources, rank, "source")
-    dst_index = _view_index(plan.dst, destinations, rank, "destination")
-    timer = _Timer()
-    with timer.copy:
-        for item in plan.items:
-            if item.is_local and item.dst_rank == rank:
-                _slice(dst_index, item).copy_(_slice(src_index, item))
-    sends = _streams(plan, rank, outgoing=True)
-    recvs = _streams(plan, rank, outgoing=False)
-    if (sends or recvs) and group is None:
-        raise ValueError(f"rank {rank} has remote transfers but no group was given")
-    schedule = {peer: _rounds(plan, items, config.chunk_bytes) for peer, items in sends.items()}
-    inbound = {peer: _rounds(plan, items, config.chunk_bytes) for peer, items in recvs.items()}
-    num_rounds = max((len(r) for r in [*schedule.values(), *inbound.values()]), default=0)
-    sent_sums: dict[int, list[int]] = defaultdict(list)
-    got_sums: dict[int, list[tuple[_Piece, int]]] = defaultdict(list)
-    buffers: dict[tuple[str, int], torch.Tensor] = {}
-    device = _device(sources, destinations)
-    for round_index in range(num_rounds):
-        ops: list[dist.P2POp] = []
-        incoming: list[tuple[int, list[_Piece], torch.Tensor]] = []
-        for peer, rounds in schedule.items():
-            if round_index < len(rounds):
-                buf = _buffer(buffers, ("send", peer), rounds, device)
-                with timer.copy:
-                    _pack(plan, src_index, rounds[round_index], buf)
-                if config.verify:
-                    with timer.checksum:
-                        sent_sums[peer] += [_sum_buffer(buf, p) for p in rounds[round_index]]
-                ops.append(_op(dist.isend, buf, peer, group))
-        for peer, rounds in inbound.items():
-            if round_index < len(rounds):
-                buf = _buffer(buffers, ("recv", peer), rounds, device)
-                incoming.append((peer, rounds[round_index], buf))
-                ops.append(_op(dist.irecv, buf, peer, group))
-        with timer.wire:
-            _wait(ops, config.timeout_s, f"round {round_index}")
-        for peer, pieces, buf in incoming:
+
+    def __init__(
+        self,
+        plan: ReshardPlan,
+        *,
+        rank: int,
+        group: CommGroup | None,
+        config: ExecutorConfig | None = None,
+    ) -> None:
+        self.plan, self.rank, self.group = plan, rank, group
+        self.config = config or ExecutorConfig()
+        self._itemsize = {t.name: t.itemsize for t in plan.tensors}
+        self._dtype = {t.name: getattr(torch, t.dtype) for t in plan.tensors}
+        sends = _pair_items(plan, rank, outgoing=True)
+        recvs = _pair_items(plan, rank, outgoing=False)
+        if (sends or recvs) and group is None:
+            raise ValueError(f"rank {rank} has remote transfers but no group was given")
+        self._sends = {p: self._schedule(p, items) for p, items in sends.items()}
+        self._recvs = {p: self._schedule(p, items) for p, items in recvs.items()}
+        counts = [len(r) for r in (*self._sends.values(), *self._recvs.values())]
+        self.num_rounds = max(counts, default=0)
+        self._dst: _Index = {}
+
+    def _schedule(self, peer: int, items: list[Transfer]) -> list[list[_Message]]:
+        """Rounds of messages to or from ``peer``: each round at most ``chunk_bytes``."""
+        chunk, messages = self.config.chunk_bytes, []
+        packed = _Message(peer, [], direct=False)
+        for item in items:
+            size = self._itemsize[item.tensor]
+            numel = item.region.numel
+            if numel * size >= self.config.direct_bytes:
+                step = max(1, chunk // size)
+                for start in range(0, numel, step):
+                    stop = min(numel, start + step)
+                    piece = _Piece(item, start, stop, 0, (stop - start) * size)
+                    messages.append(_Message(peer, [piece], direct=True, nbytes=piece.nbytes))
+                continue
+            done = 0
+            while done < numel:
+                offset = -(-packed.nbytes // _ALIGN) * _ALIGN
+                take = min(numel - done, (chunk - offset) // size) if offset < chunk else 0
+                if take <= 0:
+                    messages.append(packed)
+                    packed = _Message(peer, [], direct=False)
+                    continue
+                packed.pieces.append(_Piece(item, done, done + take, offset, take * size))
+                packed.nbytes = offset + take * size
+                done += take
+        if packed.pieces:
+            messages.append(packed)
+        rounds: list[list[_Message]] = []
+        used = chunk
+        for message in messages:
+            if used + message.nbytes > chunk:
+                rounds.append([])
+                used = 0
+            rounds[-1].append(message)
+            used += message.nbytes
+        return rounds
+
+    def prepare(
+        self,
+        destinations: Mapping[Shard, torch.Tensor],
+        sources: Mapping[Shard, torch.Tensor] | None = None,
+    ) -> None:
+        """Index the destination views and allocate (and touch) the staging buffers.
+
+        ``sources``, when given, lets large non-contiguous sends be staged now too (their
+        views are looked up again at :meth:`run`). Runs before the pause; raises ValueError
+        for a missing or misshaped view.
+        """
+        self._dst = _view_index(self.plan.dst, destinations, self.rank, "destination")
+        src = _view_index(self.plan.src, sources, self.rank, "source") if sources else None
+        device = _device(destinations) if destinations else _device(sources or {})
+        for rounds in self._recvs.values():
+            for message in (m for r in rounds for m in r):
+                if not message.direct or self._contiguous(self._dst, message.pieces[0]) is None:
+                    message.buffer = torch.zeros(message.nbytes, dtype=torch.uint8, device=device)
+        for rounds in self._sends.values():
+            for message in (m for r in rounds for m in r):
+                staged = src is None or self._contiguous(src, message.pieces[0]) is None
+                if not message.direct or (src is not None and staged):
+                    message.buffer = torch.zeros(message.nbytes, dtype=torch.uint8, device=device)
+
+    def run(self, sources: Mapping[Shard, torch.Tensor]) -> TransferReport:
+        """Move the data (the old state is only read). Raises MigrationError when a wait
+        exceeds the timeout or the transport fails; destinations may then hold partial data."""
+        src = _view_index(self.plan.src, sources, self.rank, "source")
+        timer = _Timer()
+        mismatched: set[Shard] = set()
+        local = [i for i in self.plan.items if i.is_local and i.dst_rank == self.rank]
+
+        def copy_local() -> None:
             with timer.copy:
-                _unpack(plan, dst_index, pieces, buf)
-            if config.verify:
+                for item in local:
+                    _region(self._dst, item, item.region).copy_(_region(src, item, item.region))
+
+        with ThreadPoolExecutor(self.config.checksum_threads) as pool:
+            sent: dict[int, list[int]] = defaultdict(list)
+            got: list[tuple[_Piece, int]] = []
+            # On CUDA local copies overlap the first round; on CPU they follow the rounds
+            # (a memcpy and the loopback transport would compete for the same cores).
+            overlap = _index_device(src).type == "cuda" and self.num_rounds > 0
+            for index in range(self.num_rounds):
+                self._round(
+                    index,
+                    src,
+                    pool,
+                    timer,
+                    sent,
+                    got,
+                    copy_local if overlap and index == 0 else None,
+                )
+            if not overlap:
+                copy_local()
+            if self.config.verify:
                 with timer.checksum:
-                    got_sums[peer] += [(p, _sum_destination(plan, dst_index, p)) for p in pieces]
-    buffers.clear()
-    mismatched: set[Shard] = set()
-    if config.verify:
+                    mismatched |= self._exchange_checksums(sent, got)
+                    mismatched |= {
+                        s for s in pool.map(lambda i: self._local_differs(src, i), local) if s
+                    }
+        return self._report(timer, mismatched)
+
+    def _round(
+        self,
+        index: int,
+        src: _Index,
+        pool: ThreadPoolExecutor,
+        timer: _Timer,
+        sent: dict[int, list[int]],
+        got: list[tuple[_Piece, int]],
+        meanwhile: Callable[[], None] | None,
+    ) -> None:
+        """Post one round's sends and receives, run ``meanwhile``, wait, unpack, checksum.
+
+        Source checksums overlap the transfer on CUDA (device work beside the NCCL DMA);
+        on CPU they follow it, since loopback transport and CRC compete for the same cores.
+        """
+        outgoing = [
+            (peer, tag, m)
+            for peer, rounds in self._sends.items()
+            for tag, m in enumerate(rounds[index] if index < len(rounds) else [])
+        ]
+        incoming = [
+            (peer, tag, m)
+            for peer, rounds in self._recvs.items()
+            for tag, m in enumerate(rounds[index] if index < len(rounds) else [])
+        ]
+        overlap = self.config.verify and _index_device(src).type == "cuda"
+        # One batch per round (one NCCL group): every send packed first, then all posted.
+        ops = [self._recv_op(p, t, m) for p, t, m in incoming]
+        with timer.copy:
+            ops += [self._send_op(src, p, t, m) for p, t, m in outgoing]
+        posted = time.perf_counter()
+        timer.first_post = timer.first_post or posted - timer.start
+        works = _post(ops, f"round {index}")
+        timer.posted.append(time.monotonic())
+        pending = self._sum_sources(pool, src, outgoing) if overlap else []
+        if meanwhile is not None:
+            meanwhile()
+        _wait(works, self.config.timeout_s, f"round {index}")
+        timer.done.append(time.monotonic())
+        timer.wire.total += time.perf_counter() - posted  # this rank's post to completion
+        with timer.copy:
+            for _, _, message in incoming:
+                if message.buffer is not None:
+                    self._unpack(message)
+        if not self.config.verify:
+            return
         with timer.checksum:
-            mismatched = _verify(plan, rank, group, sent_sums, got_sums, dst_index, src_index)
-            mismatched |= _verify_local(plan, rank, src_index, dst_index)
-    report = TransferReport(
-        bytes_sent=sum(plan.item_bytes(i) for items in sends.values() for i in items),
-        bytes_received=sum(plan.item_bytes(i) for items in recvs.values() for i in items),
-        bytes_local=sum(
-            plan.item_bytes(i) for i in plan.items if i.is_local and i.dst_rank == rank
-        ),
-        num_rounds=num_rounds,
-        copy_s=timer.copy.total,
-        wire_s=timer.wire.total,
-        checksum_s=timer.checksum.total,
-        mismatched=tuple(sorted(mismatched, key=lambda s: (s.tensor, s.region.offsets))),
-    )
-    logger.debug("rank %d executed plan: %s", rank, report)
-    return report
+            if not overlap:
+                pending = self._sum_sources(pool, src, outgoing)
+            pieces = [p for _, _, m in incoming for p in m.pieces]
+            got += list(zip(pieces, pool.map(self._sum_destination, pieces), strict=True))
+            for peer, future in pending:
+                sent[peer].append(future.result())
+
+    def _sum_sources(
+        self, pool: ThreadPoolExecutor, src: _Index, outgoing: list[tuple[int, int, _Message]]
+    ) -> list[tuple[int, Future[int]]]:
+        return [
+            (peer, pool.submit(self._sum_source, src, message, piece))
+            for peer, _, message in outgoing
+            for piece in message.pieces
+        ]
+
+    def _send_op(self, src: _Index, peer: int, tag: int, message: _Message) -> dist.P2POp:
+        return self._op(dist.isend, self._outgoing(src, message), peer, tag)
+
+    def _recv_op(self, peer: int, tag: int, message: _Message) -> dist.P2POp:
+        target = message.buffer
+        if target is None:
+            target = self._contiguous(self._dst, message.pieces[0])
+        assert target is not None
+        return self._op(dist.irecv, target, peer, tag)
+
+    def _outgoing(self, src: _Index, message: _Message) -> torch.Tensor:
+        if message.direct and message.buffer is None:
+            view = self._contiguous(src, message.pieces[0])
+            if view is not None:
+                return view
+            message.buffer = torch.empty(
+                message.nbytes, dtype=torch.uint8, device=_index_device(src)
+            )
+        assert message.buffer is not None
+        for piece in message.pieces:
+            offset = piece.offset
+            for box in _piece_boxes(piece):
+                target = self._typed(message.buffer, offset, piece.item.tensor, box.sizes)
+                target.copy_(_region(src, piece.item, box))
+                offset += target.numel() * target.element_size()
+        return message.buffer
+
+    def _unpack(self, message: _Message) -> None:
+        assert message.buffer is not None
+        for piece in message.pieces:
+            offset = piece.offset
+            for box in _piece_boxes(piece):
+                source = self._typed(message.buffer, offset, piece.item.tensor, box.sizes)
+                _region(self._dst, piece.item, box).copy_(source)
+                offset += source.numel() * source.element_size()
+
+    def _typed(
+        self, buf: torch.Tensor, offset: int, tensor: str, sizes: tuple[int, ...]
+    ) -> torch.Tensor:
+        nbytes = self._itemsize[tensor] * torch.Size(sizes).numel()
+        return buf[offset : offset + nbytes].view(self._dtype[tensor]).view(sizes)
+
+    def _contiguous(self, index: _Index, piece: _Piece) -> torch.Tensor | None:
+        """The piece as a 1-D byte view of its shard, when it is one contiguous box."""
+        boxes = _piece_boxes(piece)
+        if len(boxes) != 1:
+            return None
+        view = _region(index, piece.item, boxes[0])
+        return _as_bytes(view) if view.is_contiguous() else None
+
+    def _sum_source(self, src: _Index, message: _Message, piece: _Piece) -> int:
+        if message.buffer is None:
+            view = self._contiguous(src, piece)
+            assert view is not None
+            return checksum(view)
+        return checksum(message.buffer[piece.offset : piece.offset + piece.nbytes])
+
+    def _sum_destination(self, piece: _Piece) -> int:
+        parts = [
+            _as_bytes(_region(self._dst, piece.item, box).contiguous())
+            for box in _piece_boxes(piece)
+        ]
+        return checksum(torch.cat(parts) if len(parts) > 1 else parts[0])
+
+    def _local_differs(self, src: _Index, item: Transfer) -> Shard | None:
+        a = _as_bytes(_region(src, item, item.region).contiguous())
+        b = _as_bytes(_region(self._dst, item, item.region).contiguous())
+        return None if torch.equal(a, b) else _locate(self._dst, item.tensor, item.region)[2]
+
+    def _exchange_checksums(
+        self, sent: dict[int, list[int]], got: list[tuple[_Piece, int]]
+    ) -> set[Shard]:
+        device = _index_device(self._dst)
+        by_peer: dict[int, list[tuple[_Piece, int]]] = defaultdict(list)
+        for piece, value in got:
+            by_peer[piece.item.src_rank].append((piece, value))
+        received = {
+            p: torch.empty(len(v), dtype=torch.int64, device=device) for p, v in by_peer.items()
+        }
+        ops = [self._op(dist.isend, _int64(v, device), p, 0) for p, v in sent.items()]
+        ops += [self._op(dist.irecv, t, p, 0) for p, t in received.items()]
+        _wait(_post(ops, "checksum exchange"), self.config.timeout_s, "checksum exchange")
+        bad = set()
+        for peer, pairs in by_peer.items():
+            theirs = [v & 0xFFFFFFFFFFFFFFFF for v in received[peer].tolist()]
+            for (piece, mine), expected in zip(pairs, theirs, strict=True):
+                if mine != expected:
+                    bad.add(_locate(self._dst, piece.item.tensor, piece.item.region)[2])
+        return bad
+
+    def _op(self, fn: Callable[..., object], buf: torch.Tensor, peer: int, tag: int) -> dist.P2POp:
+        assert self.group is not None
+        return dist.P2POp(
+            fn, buf, group=self.group.pg, tag=tag, group_peer=self.group.group_rank(peer)
+        )
+
+    def _report(self, timer: _Timer, mismatched: set[Shard]) -> TransferReport:
+        plan, rank = self.plan, self.rank
+        messages = sum(
+            len(r) for rounds in (*self._sends.values(), *self._recvs.values()) for r in rounds
+        )
+        return TransferReport(
+            bytes_sent=sum(
+                plan.item_bytes(i) for i in plan.items if i.src_rank == rank and not i.is_local
+            ),
+            bytes_received=sum(
+                plan.item_bytes(i) for i in plan.items if i.dst_rank == rank and not i.is_local
+            ),
+            bytes_local=sum(
+                plan.item_bytes(i) for i in plan.items if i.is_local and i.dst_rank == rank
+            ),
+            num_rounds=self.num_rounds,
+            num_messages=messages,
+            copy_s=timer.copy.total,
+            wire_s=timer.wire.total,
+            checksum_s=timer.checksum.total,
+            first_post_s=timer.first_post or 0.0,
+            posted_at=tuple(timer.posted),
+            done_at=tuple(timer.done),
+            mismatched=tuple(sorted(mismatched, key=lambda s: (s.tensor, s.region.offsets))),
+        )
 
 
 class _Stopwatch:
@@ -210,6 +485,10 @@ class _Stopwatch:
 class _Timer:
     def __init__(self) -> None:
         self.copy, self.wire, self.checksum = _Stopwatch(), _Stopwatch(), _Stopwatch()
+        self.start = time.perf_counter()
+        self.first_post: float | None = None
+        self.posted: list[float] = []
+        self.done: list[float] = []
 
 
 _Index = dict[str, list[tuple[Region, torch.Tensor, Shard]]]
@@ -241,13 +520,12 @@ def _locate(index: _Index, tensor: str, region: Region) -> tuple[Region, torch.T
     raise AssertionError(f"plan item {tensor} {region} outside this rank's shards")
 
 
-def _slice(index: _Index, item: Transfer, region: Region | None = None) -> torch.Tensor:
-    region = region or item.region
+def _region(index: _Index, item: Transfer, region: Region) -> torch.Tensor:
     outer, view, _ = _locate(index, item.tensor, region)
     return view[region.relative_to(outer).slices() or ...]
 
 
-def _streams(plan: ReshardPlan, rank: int, *, outgoing: bool) -> dict[int, list[Transfer]]:
+def _pair_items(plan: ReshardPlan, rank: int, *, outgoing: bool) -> dict[int, list[Transfer]]:
     out: dict[int, list[Transfer]] = defaultdict(list)
     for item in plan.items:
         if item.is_local:
@@ -257,26 +535,6 @@ def _streams(plan: ReshardPlan, rank: int, *, outgoing: bool) -> dict[int, list[
         elif not outgoing and item.dst_rank == rank:
             out[item.src_rank].append(item)
     return dict(out)
-
-
-def _rounds(plan: ReshardPlan, items: list[Transfer], chunk: int) -> list[list[_Piece]]:
-    """Cut a pair's items into element-aligned pieces, at most ``chunk`` bytes per round."""
-    rounds: list[list[_Piece]] = [[]]
-    used = 0
-    for item in items:
-        size = plan.spec(item.tensor).itemsize
-        done, numel = 0, item.region.numel
-        while done < numel:
-            offset = -(-used // _ALIGN) * _ALIGN
-            take = min(numel - done, (chunk - offset) // size) if offset < chunk else 0
-            if take <= 0:
-                rounds.append([])
-                used = 0
-                continue
-            rounds[-1].append(_Piece(item, done, done + take, offset, take * size))
-            used = offset + take * size
-            done += take
-    return rounds if rounds[0] else []
 
 
 def _piece_boxes(piece: _Piece) -> list[Region]:
@@ -290,131 +548,39 @@ def _piece_boxes(piece: _Piece) -> list[Region]:
     ]
 
 
-def _buffer(
-    buffers: dict[tuple[str, int], torch.Tensor],
-    key: tuple[str, int],
-    rounds: list[list[_Piece]],
-    device: torch.device,
-) -> torch.Tensor:
-    if key not in buffers:
-        size = max(p.offset + p.nbytes for r in rounds for p in r)
-        buffers[key] = torch.empty(size, dtype=torch.uint8, device=device)
-    return buffers[key]
+def _as_bytes(view: torch.Tensor) -> torch.Tensor:
+    return view.reshape(-1).view(torch.uint8)
 
 
-def _typed(
-    buf: torch.Tensor, offset: int, dtype: torch.dtype, sizes: tuple[int, ...]
-) -> torch.Tensor:
-    nbytes = torch.empty((), dtype=dtype).element_size() * (torch.Size(sizes).numel())
-    return buf[offset : offset + nbytes].view(dtype).view(sizes)
-
-
-def _pack(plan: ReshardPlan, index: _Index, pieces: list[_Piece], buf: torch.Tensor) -> None:
-    for piece in pieces:
-        dtype = getattr(torch, plan.spec(piece.item.tensor).dtype)
-        offset = piece.offset
-        for box in _piece_boxes(piece):
-            target = _typed(buf, offset, dtype, box.sizes)
-            target.copy_(_slice(index, piece.item, box))
-            offset += target.numel() * target.element_size()
-
-
-def _unpack(plan: ReshardPlan, index: _Index, pieces: list[_Piece], buf: torch.Tensor) -> None:
-    for piece in pieces:
-        dtype = getattr(torch, plan.spec(piece.item.tensor).dtype)
-        offset = piece.offset
-        for box in _piece_boxes(piece):
-            source = _typed(buf, offset, dtype, box.sizes)
-            _slice(index, piece.item, box).copy_(source)
-            offset += source.numel() * source.element_size()
-
-
-def _sum_buffer(buf: torch.Tensor, piece: _Piece) -> int:
-    return checksum(buf[piece.offset : piece.offset + piece.nbytes])
-
-
-def _sum_destination(plan: ReshardPlan, index: _Index, piece: _Piece) -> int:
-    parts = [_bytes(_slice(index, piece.item, box)) for box in _piece_boxes(piece)]
-    return checksum(torch.cat(parts) if len(parts) > 1 else parts[0])
-
-
-def _bytes(view: torch.Tensor) -> torch.Tensor:
-    return view.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _op(fn: object, buf: torch.Tensor, peer: int, group: CommGroup | None) -> dist.P2POp:
-    assert group is not None
-    return dist.P2POp(fn, buf, group=group.pg, group_peer=group.group_rank(peer))  # type: ignore[arg-type]
-
-
-def _wait(ops: list[dist.P2POp], timeout_s: float, what: str) -> None:
-    if not ops:
-        return
-    try:
-        works = dist.batch_isend_irecv(ops)
-        for work in works:
-            if not work.wait(timedelta(seconds=timeout_s)):
-                raise MigrationError(f"reshard {what}: a transfer did not complete")
-    except MigrationError:
-        raise
-    except RuntimeError as exc:
-        raise MigrationError(f"reshard {what} failed: {exc}") from exc
-
-
-def _verify(
-    plan: ReshardPlan,
-    rank: int,
-    group: CommGroup | None,
-    sent_sums: dict[int, list[int]],
-    got_sums: dict[int, list[tuple[_Piece, int]]],
-    dst_index: _Index,
-    src_index: _Index,
-) -> set[Shard]:
-    """Send source checksums to each receiver; compare with what arrived."""
-    device = _device_of(dst_index, src_index)
-    ops = []
-    received: dict[int, torch.Tensor] = {}
-    for peer, sums in sent_sums.items():
-        ops.append(_op(dist.isend, _as_tensor(sums, device), peer, group))
-    for peer, pairs in got_sums.items():
-        received[peer] = torch.empty(len(pairs), dtype=torch.int64, device=device)
-        ops.append(_op(dist.irecv, received[peer], peer, group))
-    _wait(ops, 60.0, "checksum exchange")
-    bad: set[Shard] = set()
-    for peer, pairs in got_sums.items():
-        theirs = [v & 0xFFFFFFFFFFFFFFFF for v in received[peer].tolist()]
-        for (piece, mine), expected in zip(pairs, theirs, strict=True):
-            if mine != expected:
-                bad.add(_locate(dst_index, piece.item.tensor, piece.item.region)[2])
-    return bad
-
-
-def _verify_local(plan: ReshardPlan, rank: int, src_index: _Index, dst_index: _Index) -> set[Shard]:
-    bad = set()
-    for item in plan.items:
-        if item.is_local and item.dst_rank == rank:
-            if checksum(_bytes(_slice(src_index, item))) != checksum(
-                _bytes(_slice(dst_index, item))
-            ):
-                bad.add(_locate(dst_index, item.tensor, item.region)[2])
-    return bad
-
-
-def _as_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+def _int64(values: list[int], device: torch.device) -> torch.Tensor:
     signed = [v - (1 << 64) if v >= 1 << 63 else v for v in values]
     return torch.tensor(signed, dtype=torch.int64, device=device)
 
 
-def _device(*maps: Mapping[Shard, torch.Tensor]) -> torch.device:
-    for views in maps:
-        for view in views.values():
-            return view.device
-    return torch.device("cpu")
+def _post(ops: list[dist.P2POp], what: str) -> list[dist.Work]:
+    """Post all of a round's sends and receives as one batch (one NCCL group)."""
+    if not ops:
+        return []
+    try:
+        return list(dist.batch_isend_irecv(ops))
+    except RuntimeError as exc:
+        raise MigrationError(f"reshard {what} failed: {exc}") from exc
 
 
-def _device_of(*indexes: _Index) -> torch.device:
-    for index in indexes:
-        for entries in index.values():
-            for _, view, _ in entries:
-                return view.device
-    return torch.device("cpu")
+def _wait(works: list[dist.Work], timeout_s: float, what: str) -> None:
+    try:
+        for work in works:
+            if not work.wait(timedelta(seconds=timeout_s)):
+                raise MigrationError(f"reshard {what}: a transfer did not complete")
+    except RuntimeError as exc:
+        raise MigrationError(f"reshard {what} failed: {exc}") from exc
+
+
+def _device(views: Mapping[Shard, torch.Tensor]) -> torch.device:
+    return next((v.device for v in views.values()), torch.device("cpu"))
+
+
+def _index_device(index: _Index) -> torch.device:
+    return next(
+        (view.device for entries in index.values() for _, view, _ in entries), torch.device("cpu")
+    )

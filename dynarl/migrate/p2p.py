@@ -6,7 +6,9 @@ over exactly the plan's ranks and (on new-layout ranks) the new layout's groups,
 the trainer to *allocate* the new state next to the old one; ``transfer`` runs the plan;
 ``verify`` compares per-shard checksums and agrees on the verdict over the migration group;
 only ``commit`` makes the trainer switch to the new layout (and swap whatever process-wide
-state its framework keeps) and free the old shards. ``abort`` at any step before commit,
+state its framework keeps) and free the old shards; ``close`` then drops the migration group.
+``prepare`` leaves the old state alone, so it may run while training goes on: the pause is
+``transfer``, ``verify`` and ``commit``. ``abort`` at any step before commit,
 then ``rollback``, discards what was allocated: the old layout was never touched and
 training goes on. Commands are idempotent per migration id.
 
@@ -29,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from dynarl.migrate.executor import ExecutorConfig, TransferReport, execute_plan
+from dynarl.migrate.executor import ExecutorConfig, PlanExecutor, TransferReport
 from dynarl.migrate.groups import CommGroup, LayoutGroups, build_group
 from dynarl.migrate.layout import Layout
 from dynarl.migrate.plan import ReshardPlan, plan_reshard
@@ -132,7 +134,7 @@ class P2PMigration:
         self.timings: dict[str, float] = {}
         self._group: CommGroup | None = None
         self._groups: LayoutGroups | None = None
-        self._destinations: Mapping[Shard, torch.Tensor] = {}
+        self._executor: PlanExecutor | None = None
 
     @property
     def migration_id(self) -> str:
@@ -205,8 +207,14 @@ class P2PMigration:
             build_s += self._groups.build_s
         self.timings["group_build_s"] = build_s
         began = time.perf_counter()
-        self._destinations = self._trainer.allocate(self.dst, self._groups)
+        destinations = self._trainer.allocate(self.dst, self._groups)
         self.timings["allocate_s"] = time.perf_counter() - began
+        began = time.perf_counter()
+        self._executor = PlanExecutor(
+            self.plan, rank=self.rank, group=self._group, config=self.config.executor
+        )
+        self._executor.prepare(destinations, self._trainer.shard_views())
+        self.timings["staging_s"] = time.perf_counter() - began
         return ""
 
     def transfer(self) -> Outcome:
@@ -214,15 +222,8 @@ class P2PMigration:
         return self._run(Step.TRANSFER, self._transfer)
 
     def _transfer(self) -> str:
-        assert self.plan is not None
-        self.report = execute_plan(
-            self.plan,
-            rank=self.rank,
-            group=self._group,
-            sources=self._trainer.shard_views(),
-            destinations=self._destinations,
-            config=self.config.executor,
-        )
+        assert self._executor is not None
+        self.report = self._executor.run(self._trainer.shard_views())
         self.timings.update(
             copy_s=self.report.copy_s, wire_s=self.report.wire_s, checksum_s=self.report.checksum_s
         )
@@ -252,8 +253,12 @@ class P2PMigration:
     def _commit(self) -> str:
         self._trainer.commit(self.dst)
         self._groups = None  # the trainer owns them now
-        self._close_group()
+        self._executor = None
         return ""
+
+    def close(self) -> None:
+        """Destroy the migration group (after commit, outside the pause; idempotent)."""
+        self._close_group()
 
     def abort(self, reason: str = "aborted") -> Outcome:
         """Stop the migration before commit; ``rollback`` then frees what it allocated."""
@@ -272,7 +277,7 @@ class P2PMigration:
         if self._groups is not None:
             self._groups.close()
             self._groups = None
-        self._destinations = {}
+        self._executor = None
         self._close_group()
         return ""
 
@@ -298,6 +303,7 @@ class P2PMigration:
             outcome = await asyncio.to_thread(step)
             if not outcome.ok:
                 return await self.cancel(outcome.detail)
+        await asyncio.to_thread(self.close)
         return outcome
 
     async def cancel(self, reason: str) -> Outcome:

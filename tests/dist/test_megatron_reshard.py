@@ -132,6 +132,7 @@ def worker(rank: int, world: int, port: int, ckpt_dir: str) -> dict[str, Any]:
             outcomes = [m.prepare(), m.transfer(), m.verify(), m.commit()]
             if not all(o.ok for o in outcomes) or m.commit() != outcomes[3]:
                 problems.append(f"reshard {target}: {outcomes}")
+            m.close()
             problems += [f"reshard to {target} changed {n}" for n in same_state(before, gather_full_state(trainer))]
             if trainer.model is not None:
                 problems += sharded_state_dict_mismatches(trainer.model, trainer.layout, rank)

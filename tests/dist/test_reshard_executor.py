@@ -52,15 +52,20 @@ def spec(ranks: tuple[int, ...], tp: int, pp: int = 1, **kw: Any) -> LayoutSpec:
 
 
 CASES = [
-    (spec((0, 1, 2, 3), 2), spec((0, 1, 2, 3), 4), 1 << 20),
-    (spec((0, 1, 2, 3), 4), spec((2, 3, 0, 1), 2), 96),
-    (spec((0, 1, 2, 3), 2, distributed_optimizer=True), spec((0, 1), 1), 64),
-    (spec((0, 1), 1), spec((0, 1, 2, 3), 1, pp=2, distributed_optimizer=True), 1 << 20),
+    (spec((0, 1, 2, 3), 2), spec((0, 1, 2, 3), 4), 1 << 20, 1 << 20),
+    (spec((0, 1, 2, 3), 4), spec((2, 3, 0, 1), 2), 96, 1 << 20),
+    (spec((0, 1, 2, 3), 2, distributed_optimizer=True), spec((0, 1), 1), 64, 1 << 20),
+    (spec((0, 1), 1), spec((0, 1, 2, 3), 1, pp=2, distributed_optimizer=True), 1 << 20, 1 << 20),
     (
         spec((0, 1, 2, 3), 2, param_dtype="bfloat16", master_dtype="float32"),
         spec((3, 2, 1, 0), 1, distributed_optimizer=True, param_dtype="bfloat16", master_dtype="float32", bucket_size=50),
         40,
+        1 << 20,
     ),
+    # Items of 64 bytes and more travel as their own messages: straight from and into
+    # contiguous views, staged for strided ones (TP splits along dim 1), cut at 200 bytes.
+    (spec((0, 1, 2, 3), 2), spec((3, 2, 1, 0), 4), 200, 64),
+    (spec((0, 1, 2, 3), 4), spec((0, 1, 2, 3), 1, pp=2, distributed_optimizer=True), 1 << 20, 64),
 ]
 
 
@@ -97,7 +102,7 @@ def _store(rank: int, world: int, port: int) -> dist.TCPStore:
 def reshard_worker(rank: int, world: int, port: int) -> list[dict[str, Any]]:
     store = _store(rank, world, port)
     out = []
-    for index, (src_spec, dst_spec, chunk) in enumerate(CASES):
+    for index, (src_spec, dst_spec, chunk, direct) in enumerate(CASES):
         src, dst = trainer_layout(model(), src_spec), trainer_layout(model(), dst_spec)
         plan = plan_reshard(dst.tensor_map(), src.shards, dst.shards)
         full = {t.name: global_tensor(t, seed=i) for i, t in enumerate(dst.tensors)}
@@ -109,7 +114,7 @@ def reshard_worker(rank: int, world: int, port: int) -> list[dict[str, Any]]:
             group = build_group(store, name=f"test/{index}", ranks=plan.ranks, rank=rank)
         report = execute_plan(
             plan, rank=rank, group=group, sources=sources, destinations=destinations,
-            config=ExecutorConfig(chunk_bytes=chunk, timeout_s=30),
+            config=ExecutorConfig(chunk_bytes=chunk, direct_bytes=direct, timeout_s=30),
         )
         for shard, view in destinations.items():
             assert same_bits(view, full[shard.tensor][shard.region.slices() or ...]), shard
