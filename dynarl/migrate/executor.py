@@ -22,26 +22,42 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from dynarl.errors import MigrationError
 from dynarl.migrate.groups import CommGroup
 from dynarl.migrate.plan import ReshardPlan, Transfer
-from dynarl.migrate.region import Region, Shard, flat_range_boxes
+from dynarl.migrate.region import Shard
+from dynarl.migrate.staging import (
+    ALIGN,
+    Message,
+    Piece,
+    Timer,
+    TransferReport,
+    ViewIndex,
+    as_bytes,
+    checksum,
+    device_of,
+    index_device,
+    int64_tensor,
+    locate,
+    pair_items,
+    piece_boxes,
+    post,
+    region_view,
+    schedule,
+    view_index,
+    wait,
+)
 
 __all__ = ["ExecutorConfig", "PlanExecutor", "TransferReport", "checksum", "execute_plan"]
 
 logger = logging.getLogger(__name__)
-
-_ALIGN = 8
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,84 +76,10 @@ class ExecutorConfig:
     """Threads computing checksums (CRC-32 releases the GIL), overlapping the network."""
 
     def __post_init__(self) -> None:
-        if self.chunk_bytes < _ALIGN or self.direct_bytes < 1:
-            raise ValueError(f"chunk_bytes must be >= {_ALIGN} and direct_bytes >= 1")
+        if self.chunk_bytes < ALIGN or self.direct_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= {ALIGN} and direct_bytes >= 1")
         if self.timeout_s <= 0 or self.checksum_threads < 1:
             raise ValueError("timeout_s must be > 0 and checksum_threads >= 1")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TransferReport:
-    """What one rank did and how long each part took."""
-
-    bytes_sent: int
-    """Bytes this rank sent to other ranks."""
-    bytes_received: int
-    """Bytes it received."""
-    bytes_local: int
-    """Bytes it copied locally."""
-    num_rounds: int
-    """Network rounds (same on every rank)."""
-    num_messages: int
-    """Messages this rank posted (sends and receives, checksums excluded)."""
-    copy_s: float
-    """Seconds packing, unpacking and copying locally."""
-    wire_s: float
-    """Seconds from posting a round's sends and receives until all completed, summed (the
-    local copies overlapping the first round included)."""
-    checksum_s: float
-    """Seconds checksumming and comparing not hidden behind the network."""
-    first_post_s: float = 0.0
-    """Seconds from the start of the transfer until this rank posted its first message."""
-    posted_at: tuple[float, ...] = ()
-    """Per round, ``time.monotonic()`` when this rank had posted everything (system-wide
-    clock: comparable across the ranks of one machine)."""
-    done_at: tuple[float, ...] = ()
-    """Per round, ``time.monotonic()`` when this rank's transfers had all completed."""
-    mismatched: tuple[Shard, ...] = field(default=())
-    """Destination shards on this rank whose data did not match the source's."""
-
-    @property
-    def verified(self) -> bool:
-        """Whether every destination shard on this rank matched its sources."""
-        return not self.mismatched
-
-
-@dataclass(frozen=True, slots=True)
-class _Piece:
-    """Elements ``[start, stop)`` (row-major) of ``item``, at ``offset`` of its message."""
-
-    item: Transfer
-    start: int
-    stop: int
-    offset: int
-    nbytes: int
-
-
-@dataclass(slots=True)
-class _Message:
-    """One isend or irecv: packed small pieces, or one piece of a large item."""
-
-    peer: int
-    pieces: list[_Piece]
-    direct: bool
-    nbytes: int = 0
-    buffer: torch.Tensor | None = None
-
-
-def checksum(data: torch.Tensor) -> int:
-    """A position-sensitive checksum of a contiguous 1-D uint8 tensor.
-
-    CPU: CRC-32 (zlib, releases the GIL). CUDA: a weighted sum of 32-bit words computed on
-    the device, so verification does not copy the data to the host.
-    """
-    assert data.dtype == torch.uint8 and data.dim() == 1
-    if data.device.type == "cpu":
-        return zlib.crc32(data.numpy().data)
-    padded = torch.nn.functional.pad(data, (0, -data.numel() % 4))
-    words = padded.view(torch.int32).to(torch.int64)
-    weights = torch.arange(1, words.numel() + 1, device=data.device, dtype=torch.int64)
-    return int((words * (weights * 2654435761 + 1)).sum().item()) & 0xFFFFFFFFFFFFFFFF
 
 
 def execute_plan(
@@ -174,52 +116,16 @@ class PlanExecutor:
         self.config = config or ExecutorConfig()
         self._itemsize = {t.name: t.itemsize for t in plan.tensors}
         self._dtype = {t.name: getattr(torch, t.dtype) for t in plan.tensors}
-        sends = _pair_items(plan, rank, outgoing=True)
-        recvs = _pair_items(plan, rank, outgoing=False)
+        sends = pair_items(plan, rank, outgoing=True)
+        recvs = pair_items(plan, rank, outgoing=False)
         if (sends or recvs) and group is None:
             raise ValueError(f"rank {rank} has remote transfers but no group was given")
-        self._sends = {p: self._schedule(p, items) for p, items in sends.items()}
-        self._recvs = {p: self._schedule(p, items) for p, items in recvs.items()}
+        sizes = (self._itemsize, self.config.chunk_bytes, self.config.direct_bytes)
+        self._sends = {p: schedule(p, items, *sizes) for p, items in sends.items()}
+        self._recvs = {p: schedule(p, items, *sizes) for p, items in recvs.items()}
         counts = [len(r) for r in (*self._sends.values(), *self._recvs.values())]
         self.num_rounds = max(counts, default=0)
-        self._dst: _Index = {}
-
-    def _schedule(self, peer: int, items: list[Transfer]) -> list[list[_Message]]:
-        """Rounds of messages to or from ``peer``: each round at most ``chunk_bytes``."""
-        chunk, messages = self.config.chunk_bytes, []
-        packed = _Message(peer, [], direct=False)
-        for item in items:
-            size = self._itemsize[item.tensor]
-            numel = item.region.numel
-            if numel * size >= self.config.direct_bytes:
-                step = max(1, chunk // size)
-                for start in range(0, numel, step):
-                    stop = min(numel, start + step)
-                    piece = _Piece(item, start, stop, 0, (stop - start) * size)
-                    messages.append(_Message(peer, [piece], direct=True, nbytes=piece.nbytes))
-                continue
-            done = 0
-            while done < numel:
-                offset = -(-packed.nbytes // _ALIGN) * _ALIGN
-                take = min(numel - done, (chunk - offset) // size) if offset < chunk else 0
-                if take <= 0:
-                    messages.append(packed)
-                    packed = _Message(peer, [], direct=False)
-                    continue
-                packed.pieces.append(_Piece(item, done, done + take, offset, take * size))
-                packed.nbytes = offset + take * size
-                done += take
-        if packed.pieces:
-            messages.append(packed)
-        rounds: list[list[_Message]] = []
-        used = chunk
-        for message in messages:
-            if used + message.nbytes > chunk:
-                rounds.append([])
-                used = 0
-            rounds[-1].append(message)
-            used += message.nbytes
-        return rounds
+        self._dst: ViewIndex = {}
 
     def prepare(
         self,
@@ -232,9 +138,9 @@ class PlanExecutor:
         views are looked up again at :meth:`run`). Runs before the pause; raises ValueError
         for a missing or misshaped view.
         """
-        self._dst = _view_index(self.plan.dst, destinations, self.rank, "destination")
-        src = _view_index(self.plan.src, sources, self.rank, "source") if sources else None
-        device = _device(destinations) if destinations else _device(sources or {})
+        self._dst = view_index(self.plan.dst, destinations, self.rank, "destination")
+        src = view_index(self.plan.src, sources, self.rank, "source") if sources else None
+        device = device_of(destinations) if destinations else device_of(sources or {})
         for rounds in self._recvs.values():
             for message in (m for r in rounds for m in r):
                 if not message.direct or self._contiguous(self._dst, message.pieces[0]) is None:
@@ -248,22 +154,24 @@ class PlanExecutor:
     def run(self, sources: Mapping[Shard, torch.Tensor]) -> TransferReport:
         """Move the data (the old state is only read). Raises MigrationError when a wait
         exceeds the timeout or the transport fails; destinations may then hold partial data."""
-        src = _view_index(self.plan.src, sources, self.rank, "source")
-        timer = _Timer()
+        src = view_index(self.plan.src, sources, self.rank, "source")
+        timer = Timer()
         mismatched: set[Shard] = set()
         local = [i for i in self.plan.items if i.is_local and i.dst_rank == self.rank]
 
         def copy_local() -> None:
             with timer.copy:
                 for item in local:
-                    _region(self._dst, item, item.region).copy_(_region(src, item, item.region))
+                    region_view(self._dst, item, item.region).copy_(
+                        region_view(src, item, item.region)
+                    )
 
         with ThreadPoolExecutor(self.config.checksum_threads) as pool:
             sent: dict[int, list[int]] = defaultdict(list)
-            got: list[tuple[_Piece, int]] = []
+            got: list[tuple[Piece, int]] = []
             # On CUDA local copies overlap the first round; on CPU they follow the rounds
             # (a memcpy and the loopback transport would compete for the same cores).
-            overlap = _index_device(src).type == "cuda" and self.num_rounds > 0
+            overlap = index_device(src).type == "cuda" and self.num_rounds > 0
             for index in range(self.num_rounds):
                 self._round(
                     index,
@@ -287,11 +195,11 @@ class PlanExecutor:
     def _round(
         self,
         index: int,
-        src: _Index,
+        src: ViewIndex,
         pool: ThreadPoolExecutor,
-        timer: _Timer,
+        timer: Timer,
         sent: dict[int, list[int]],
-        got: list[tuple[_Piece, int]],
+        got: list[tuple[Piece, int]],
         meanwhile: Callable[[], None] | None,
     ) -> None:
         """Post one round's sends and receives, run ``meanwhile``, wait, unpack, checksum.
@@ -309,19 +217,19 @@ class PlanExecutor:
             for peer, rounds in self._recvs.items()
             for tag, m in enumerate(rounds[index] if index < len(rounds) else [])
         ]
-        overlap = self.config.verify and _index_device(src).type == "cuda"
+        overlap = self.config.verify and index_device(src).type == "cuda"
         # One batch per round (one NCCL group): every send packed first, then all posted.
         ops = [self._recv_op(p, t, m) for p, t, m in incoming]
         with timer.copy:
             ops += [self._send_op(src, p, t, m) for p, t, m in outgoing]
         posted = time.perf_counter()
         timer.first_post = timer.first_post or posted - timer.start
-        works = _post(ops, f"round {index}")
+        works = post(ops, f"round {index}")
         timer.posted.append(time.monotonic())
         pending = self._sum_sources(pool, src, outgoing) if overlap else []
         if meanwhile is not None:
             meanwhile()
-        _wait(works, self.config.timeout_s, f"round {index}")
+        wait(works, self.config.timeout_s, f"round {index}")
         timer.done.append(time.monotonic())
         timer.wire.total += time.perf_counter() - posted  # this rank's post to completion
         with timer.copy:
@@ -339,7 +247,7 @@ class PlanExecutor:
                 sent[peer].append(future.result())
 
     def _sum_sources(
-        self, pool: ThreadPoolExecutor, src: _Index, outgoing: list[tuple[int, int, _Message]]
+        self, pool: ThreadPoolExecutor, src: ViewIndex, outgoing: list[tuple[int, int, Message]]
     ) -> list[tuple[int, Future[int]]]:
         return [
             (peer, pool.submit(self._sum_source, src, message, piece))
@@ -347,40 +255,40 @@ class PlanExecutor:
             for piece in message.pieces
         ]
 
-    def _send_op(self, src: _Index, peer: int, tag: int, message: _Message) -> dist.P2POp:
+    def _send_op(self, src: ViewIndex, peer: int, tag: int, message: Message) -> dist.P2POp:
         return self._op(dist.isend, self._outgoing(src, message), peer, tag)
 
-    def _recv_op(self, peer: int, tag: int, message: _Message) -> dist.P2POp:
+    def _recv_op(self, peer: int, tag: int, message: Message) -> dist.P2POp:
         target = message.buffer
         if target is None:
             target = self._contiguous(self._dst, message.pieces[0])
         assert target is not None
         return self._op(dist.irecv, target, peer, tag)
 
-    def _outgoing(self, src: _Index, message: _Message) -> torch.Tensor:
+    def _outgoing(self, src: ViewIndex, message: Message) -> torch.Tensor:
         if message.direct and message.buffer is None:
             view = self._contiguous(src, message.pieces[0])
             if view is not None:
                 return view
             message.buffer = torch.empty(
-                message.nbytes, dtype=torch.uint8, device=_index_device(src)
+                message.nbytes, dtype=torch.uint8, device=index_device(src)
             )
         assert message.buffer is not None
         for piece in message.pieces:
             offset = piece.offset
-            for box in _piece_boxes(piece):
+            for box in piece_boxes(piece):
                 target = self._typed(message.buffer, offset, piece.item.tensor, box.sizes)
-                target.copy_(_region(src, piece.item, box))
+                target.copy_(region_view(src, piece.item, box))
                 offset += target.numel() * target.element_size()
         return message.buffer
 
-    def _unpack(self, message: _Message) -> None:
+    def _unpack(self, message: Message) -> None:
         assert message.buffer is not None
         for piece in message.pieces:
             offset = piece.offset
-            for box in _piece_boxes(piece):
+            for box in piece_boxes(piece):
                 source = self._typed(message.buffer, offset, piece.item.tensor, box.sizes)
-                _region(self._dst, piece.item, box).copy_(source)
+                region_view(self._dst, piece.item, box).copy_(source)
                 offset += source.numel() * source.element_size()
 
     def _typed(
@@ -389,52 +297,52 @@ class PlanExecutor:
         nbytes = self._itemsize[tensor] * torch.Size(sizes).numel()
         return buf[offset : offset + nbytes].view(self._dtype[tensor]).view(sizes)
 
-    def _contiguous(self, index: _Index, piece: _Piece) -> torch.Tensor | None:
+    def _contiguous(self, index: ViewIndex, piece: Piece) -> torch.Tensor | None:
         """The piece as a 1-D byte view of its shard, when it is one contiguous box."""
-        boxes = _piece_boxes(piece)
+        boxes = piece_boxes(piece)
         if len(boxes) != 1:
             return None
-        view = _region(index, piece.item, boxes[0])
-        return _as_bytes(view) if view.is_contiguous() else None
+        view = region_view(index, piece.item, boxes[0])
+        return as_bytes(view) if view.is_contiguous() else None
 
-    def _sum_source(self, src: _Index, message: _Message, piece: _Piece) -> int:
+    def _sum_source(self, src: ViewIndex, message: Message, piece: Piece) -> int:
         if message.buffer is None:
             view = self._contiguous(src, piece)
             assert view is not None
             return checksum(view)
         return checksum(message.buffer[piece.offset : piece.offset + piece.nbytes])
 
-    def _sum_destination(self, piece: _Piece) -> int:
+    def _sum_destination(self, piece: Piece) -> int:
         parts = [
-            _as_bytes(_region(self._dst, piece.item, box).contiguous())
-            for box in _piece_boxes(piece)
+            as_bytes(region_view(self._dst, piece.item, box).contiguous())
+            for box in piece_boxes(piece)
         ]
         return checksum(torch.cat(parts) if len(parts) > 1 else parts[0])
 
-    def _local_differs(self, src: _Index, item: Transfer) -> Shard | None:
-        a = _as_bytes(_region(src, item, item.region).contiguous())
-        b = _as_bytes(_region(self._dst, item, item.region).contiguous())
-        return None if torch.equal(a, b) else _locate(self._dst, item.tensor, item.region)[2]
+    def _local_differs(self, src: ViewIndex, item: Transfer) -> Shard | None:
+        a = as_bytes(region_view(src, item, item.region).contiguous())
+        b = as_bytes(region_view(self._dst, item, item.region).contiguous())
+        return None if torch.equal(a, b) else locate(self._dst, item.tensor, item.region)[2]
 
     def _exchange_checksums(
-        self, sent: dict[int, list[int]], got: list[tuple[_Piece, int]]
+        self, sent: dict[int, list[int]], got: list[tuple[Piece, int]]
     ) -> set[Shard]:
-        device = _index_device(self._dst)
-        by_peer: dict[int, list[tuple[_Piece, int]]] = defaultdict(list)
+        device = index_device(self._dst)
+        by_peer: dict[int, list[tuple[Piece, int]]] = defaultdict(list)
         for piece, value in got:
             by_peer[piece.item.src_rank].append((piece, value))
         received = {
             p: torch.empty(len(v), dtype=torch.int64, device=device) for p, v in by_peer.items()
         }
-        ops = [self._op(dist.isend, _int64(v, device), p, 0) for p, v in sent.items()]
+        ops = [self._op(dist.isend, int64_tensor(v, device), p, 0) for p, v in sent.items()]
         ops += [self._op(dist.irecv, t, p, 0) for p, t in received.items()]
-        _wait(_post(ops, "checksum exchange"), self.config.timeout_s, "checksum exchange")
+        wait(post(ops, "checksum exchange"), self.config.timeout_s, "checksum exchange")
         bad = set()
         for peer, pairs in by_peer.items():
             theirs = [v & 0xFFFFFFFFFFFFFFFF for v in received[peer].tolist()]
             for (piece, mine), expected in zip(pairs, theirs, strict=True):
                 if mine != expected:
-                    bad.add(_locate(self._dst, piece.item.tensor, piece.item.region)[2])
+                    bad.add(locate(self._dst, piece.item.tensor, piece.item.region)[2])
         return bad
 
     def _op(self, fn: Callable[..., object], buf: torch.Tensor, peer: int, tag: int) -> dist.P2POp:
@@ -443,7 +351,7 @@ class PlanExecutor:
             fn, buf, group=self.group.pg, tag=tag, group_peer=self.group.group_rank(peer)
         )
 
-    def _report(self, timer: _Timer, mismatched: set[Shard]) -> TransferReport:
+    def _report(self, timer: Timer, mismatched: set[Shard]) -> TransferReport:
         plan, rank = self.plan, self.rank
         messages = sum(
             len(r) for rounds in (*self._sends.values(), *self._recvs.values()) for r in rounds
@@ -468,119 +376,3 @@ class PlanExecutor:
             done_at=tuple(timer.done),
             mismatched=tuple(sorted(mismatched, key=lambda s: (s.tensor, s.region.offsets))),
         )
-
-
-class _Stopwatch:
-    def __init__(self) -> None:
-        self.total = 0.0
-        self._start = 0.0
-
-    def __enter__(self) -> None:
-        self._start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.total += time.perf_counter() - self._start
-
-
-class _Timer:
-    def __init__(self) -> None:
-        self.copy, self.wire, self.checksum = _Stopwatch(), _Stopwatch(), _Stopwatch()
-        self.start = time.perf_counter()
-        self.first_post: float | None = None
-        self.posted: list[float] = []
-        self.done: list[float] = []
-
-
-_Index = dict[str, list[tuple[Region, torch.Tensor, Shard]]]
-
-
-def _view_index(
-    shards: tuple[Shard, ...], views: Mapping[Shard, torch.Tensor], rank: int, side: str
-) -> _Index:
-    index: _Index = defaultdict(list)
-    for shard in shards:
-        if shard.rank != rank:
-            continue
-        view = views.get(shard)
-        if view is None:
-            raise ValueError(f"no {side} view for {shard.tensor!r} {shard.region} on rank {rank}")
-        if tuple(view.shape) != shard.region.sizes:
-            raise ValueError(
-                f"{side} view of {shard.tensor!r} {shard.region} on rank {rank} has shape "
-                f"{tuple(view.shape)}"
-            )
-        index[shard.tensor].append((shard.region, view, shard))
-    return index
-
-
-def _locate(index: _Index, tensor: str, region: Region) -> tuple[Region, torch.Tensor, Shard]:
-    for entry in index[tensor]:
-        if entry[0].contains(region):
-            return entry
-    raise AssertionError(f"plan item {tensor} {region} outside this rank's shards")
-
-
-def _region(index: _Index, item: Transfer, region: Region) -> torch.Tensor:
-    outer, view, _ = _locate(index, item.tensor, region)
-    return view[region.relative_to(outer).slices() or ...]
-
-
-def _pair_items(plan: ReshardPlan, rank: int, *, outgoing: bool) -> dict[int, list[Transfer]]:
-    out: dict[int, list[Transfer]] = defaultdict(list)
-    for item in plan.items:
-        if item.is_local:
-            continue
-        if outgoing and item.src_rank == rank:
-            out[item.dst_rank].append(item)
-        elif not outgoing and item.dst_rank == rank:
-            out[item.src_rank].append(item)
-    return dict(out)
-
-
-def _piece_boxes(piece: _Piece) -> list[Region]:
-    region = piece.item.region
-    return [
-        Region(
-            offsets=tuple(a + b for a, b in zip(region.offsets, box.offsets, strict=True)),
-            sizes=box.sizes,
-        )
-        for box in flat_range_boxes(region.sizes, piece.start, piece.stop)
-    ]
-
-
-def _as_bytes(view: torch.Tensor) -> torch.Tensor:
-    return view.reshape(-1).view(torch.uint8)
-
-
-def _int64(values: list[int], device: torch.device) -> torch.Tensor:
-    signed = [v - (1 << 64) if v >= 1 << 63 else v for v in values]
-    return torch.tensor(signed, dtype=torch.int64, device=device)
-
-
-def _post(ops: list[dist.P2POp], what: str) -> list[dist.Work]:
-    """Post all of a round's sends and receives as one batch (one NCCL group)."""
-    if not ops:
-        return []
-    try:
-        return list(dist.batch_isend_irecv(ops))
-    except RuntimeError as exc:
-        raise MigrationError(f"reshard {what} failed: {exc}") from exc
-
-
-def _wait(works: list[dist.Work], timeout_s: float, what: str) -> None:
-    try:
-        for work in works:
-            if not work.wait(timedelta(seconds=timeout_s)):
-                raise MigrationError(f"reshard {what}: a transfer did not complete")
-    except RuntimeError as exc:
-        raise MigrationError(f"reshard {what} failed: {exc}") from exc
-
-
-def _device(views: Mapping[Shard, torch.Tensor]) -> torch.device:
-    return next((v.device for v in views.values()), torch.device("cpu"))
-
-
-def _index_device(index: _Index) -> torch.device:
-    return next(
-        (view.device for entries in index.values() for _, view, _ in entries), torch.device("cpu")
-    )
