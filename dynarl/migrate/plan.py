@@ -19,6 +19,7 @@ Pure and synchronous; no torch. Runs on the controller (to cost a move) and on e
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -110,8 +111,18 @@ class _Granule:
     dst_rank: int
     tensor: str
     holders: tuple[int, ...]
-    boxes: list[Box]
+    regions: list[Region]
     nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """One atom's part of a destination box: where, as a Region, and who holds it."""
+
+    box: Box
+    region: Region
+    holders: tuple[int, ...]
+    holder_set: frozenset[int]
 
 
 def plan_reshard(
@@ -135,32 +146,36 @@ def plan_reshard(
         indexes[name] = _AtomIndex(_source_atoms(src_by.get(name, [])))
     local: list[tuple[int, Transfer]] = []
     granules: list[_Granule] = []
+    # DP replicas ask for the same boxes: answer each distinct (tensor, box) once.
+    answers: dict[tuple[str, Box], tuple[list[_Answer], int]] = {}
     for order, shard in enumerate(dst):
         if shard.region.numel == 0:
             continue
         name = shard.tensor
-        index = indexes[name]
-        remote: dict[tuple[int, ...], list[Box]] = {}
-        covered = 0
-        for box, holders in index.query(shard.region.box):
-            covered += box_numel(box)
-            if shard.rank in holders:
+        key = (name, shard.region.box)
+        if key not in answers:
+            pieces = indexes[name].query(shard.region.box)
+            found = [_Answer(b, Region.from_box(b), h, frozenset(h)) for b, h in pieces]
+            answers[key] = found, sum(box_numel(b) for b, _ in pieces)
+        found, covered = answers[key]
+        if covered != shard.region.numel:
+            _raise_uncovered(name, shard, indexes[name])
+        remote: dict[tuple[int, ...], list[_Answer]] = {}
+        for answer in found:
+            if shard.rank in answer.holder_set:
                 item = Transfer(
-                    tensor=name,
-                    src_rank=shard.rank,
-                    dst_rank=shard.rank,
-                    region=Region.from_box(box),
+                    tensor=name, src_rank=shard.rank, dst_rank=shard.rank, region=answer.region
                 )
                 local.append((order, item))
             else:
-                remote.setdefault(holders, []).append(box)
-        if covered != shard.region.numel:
-            _raise_uncovered(name, shard, index)
+                remote.setdefault(answer.holders, []).append(answer)
         itemsize = tensors[name].itemsize
         for holders in sorted(remote):
-            boxes = remote[holders]
-            nbytes = sum(box_numel(b) for b in boxes) * itemsize
-            granules.append(_Granule(order, shard.rank, name, holders, boxes, nbytes))
+            parts = remote[holders]
+            nbytes = sum(a.region.numel for a in parts) * itemsize
+            granules.append(
+                _Granule(order, shard.rank, name, holders, [a.region for a in parts], nbytes)
+            )
     senders = _assign_senders(granules)
     items = _ordered_items(local, granules, senders)
     used = sorted({item.tensor for item in items} | set(dst_by))
@@ -187,12 +202,9 @@ def _ordered_items(
 ) -> tuple[Transfer, ...]:
     keyed: list[tuple[int, int, Transfer]] = [(o, 0, t) for o, t in local]
     for granule, sender in zip(granules, senders, strict=True):
-        for box in granule.boxes:
+        for region in granule.regions:
             item = Transfer(
-                tensor=granule.tensor,
-                src_rank=sender,
-                dst_rank=granule.dst_rank,
-                region=Region.from_box(box),
+                tensor=granule.tensor, src_rank=sender, dst_rank=granule.dst_rank, region=region
             )
             keyed.append((granule.order, 1, item))
     keyed.sort(key=lambda k: (k[0], k[1], k[2].region.offsets))
@@ -214,12 +226,21 @@ def _assign_senders(granules: list[_Granule]) -> list[int]:
         round_robin.append(g.holders[counters[g.holders] % len(g.holders)])
         counters[g.holders] += 1
     load: dict[int, int] = defaultdict(int)
+    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     greedy = [0] * len(granules)
     for i in sorted(range(len(granules)), key=lambda i: (-granules[i].nbytes, i)):
         holders = granules[i].holders
-        best = min(holders, key=lambda r: (load[r], r))
+        heap = heaps.get(holders)
+        if heap is None:
+            heap = heaps[holders] = [(0, r) for r in holders]
+        # Lazy heap: an entry is stale when another holder set has loaded that rank since.
+        while heap[0][0] != load[heap[0][1]]:
+            _, rank = heapq.heappop(heap)
+            heapq.heappush(heap, (load[rank], rank))
+        _, best = heapq.heappop(heap)
         greedy[i] = best
         load[best] += granules[i].nbytes
+        heapq.heappush(heap, (load[best], best))
     rr_max = max(_loads(granules, round_robin).values(), default=0)
     greedy_max = max(load.values(), default=0)
     return greedy if greedy_max < rr_max else round_robin

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "DTYPE_SIZES",
@@ -99,12 +99,15 @@ class Region:
     """Lower corner, one entry per dimension (``()`` for a scalar)."""
     sizes: tuple[int, ...]
     """Extent along each dimension, >= 0."""
+    ends: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    """Exclusive upper corner (derived)."""
 
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.sizes):
             raise ValueError(f"Region offsets {self.offsets} and sizes {self.sizes} differ in rank")
         if any(o < 0 for o in self.offsets) or any(s < 0 for s in self.sizes):
             raise ValueError(f"Region offsets {self.offsets} and sizes {self.sizes} must be >= 0")
+        object.__setattr__(self, "ends", tuple(map(int.__add__, self.offsets, self.sizes)))
 
     @classmethod
     def from_box(cls, box: Box) -> Region:
@@ -116,11 +119,6 @@ class Region:
     def box(self) -> Box:
         """The internal (lower, upper) form."""
         return self.offsets, self.ends
-
-    @property
-    def ends(self) -> tuple[int, ...]:
-        """Exclusive upper corner."""
-        return tuple(o + s for o, s in zip(self.offsets, self.sizes, strict=True))
 
     @property
     def ndim(self) -> int:
