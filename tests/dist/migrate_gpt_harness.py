@@ -21,6 +21,7 @@ from dynarl.backends.cpu_compat import apply_cpu_shim
 from dynarl.migrate import Layout, LayoutGroups, LayoutSpec, ParamSpec, Shard, trainer_layout
 from dynarl.migrate.megatron_layout import (
     install_parallel_state,
+    merge_stage_specs,
     param_specs,
     process_group_collection,
     state_tensors,
@@ -152,20 +153,83 @@ class GPTTrainer:
         position = torch.arange(SEQ).expand(per, SEQ)
         mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
         self.optimizer.zero_grad(set_to_none=False)
-        losses = self.model(inputs, position, mask, labels=labels)
-        total = losses.sum()
-        (total / (GLOBAL_BATCH * SEQ)).backward()
+        if spec.pp == 1:
+            losses = self.model(inputs, position, mask, labels=labels)
+            total: torch.Tensor | None = losses.sum()
+            assert total is not None
+            (total / (GLOBAL_BATCH * SEQ)).backward()
+        else:
+            total = self._pipeline_step(inputs, labels, position, mask)
         for param in self.model.parameters():
             dist.all_reduce(param.grad, group=dp_group)
         self.optimizer.step()
+        if total is None:
+            return None
         summed = total.detach().reshape(1).clone()
         dist.all_reduce(summed, group=dp_group)
         return float(summed.item()) / (GLOBAL_BATCH * SEQ)
+
+    def _pipeline_step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, position: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Forward and backward through the stages, one microbatch (Megatron's own schedules
+        allocate with device="cuda" and cannot run on CPU). Returns the loss sum on the last
+        stage, None elsewhere."""
+        assert self.model is not None and self.groups is not None and self.layout is not None
+        assert self.layout.spec is not None
+        pp = self.groups.groups["pp"]
+        stage = pp.ranks.index(self.rank)
+        last = stage == len(pp.ranks) - 1
+        shape = (SEQ, inputs.shape[0], 32)
+        if stage == 0:
+            hidden_in = None
+        else:
+            hidden_in = torch.empty(shape)
+            dist.recv(hidden_in, group=pp.pg, group_src=stage - 1)
+            hidden_in.requires_grad_()
+            self.model.set_input_tensor(hidden_in)
+        if last:
+            out = self.model(inputs if stage == 0 else None, position, mask, labels=labels)
+            total = out.sum()
+            (total / (GLOBAL_BATCH * SEQ)).backward()
+        else:
+            out = self.model(inputs if stage == 0 else None, position, mask)
+            dist.send(out.detach().contiguous(), group=pp.pg, group_dst=stage + 1)
+            grad = torch.empty(shape)
+            dist.recv(grad, group=pp.pg, group_src=stage + 1)
+            out.backward(grad)
+            total = None
+        if hidden_in is not None:
+            assert hidden_in.grad is not None
+            dist.send(hidden_in.grad.contiguous(), group=pp.pg, group_dst=stage - 1)
+        return total
 
     def close(self) -> None:
         if self.groups is not None:
             self.groups.close()
         self.discard(self.layout)  # type: ignore[arg-type]
+
+
+def describe_model(rank: int, store: Any) -> list[ParamSpec]:
+    """The whole model's description from a one-rank (tp1, pp1) instance on this rank."""
+    spec = LayoutSpec(ranks=(rank,))
+    groups = LayoutGroups.build(store, spec, rank=rank, epoch=-1 - rank, timeout=TIMEOUT)
+    try:
+        return param_specs(build_model(spec, groups, init=True), tp=1)
+    finally:
+        groups.close()
+
+
+def global_specs(trainer: GPTTrainer) -> list[ParamSpec]:
+    """The whole model's description, merged from every pipeline stage (world collective)."""
+    mine: tuple[int, list[ParamSpec]] = (-1, [])
+    if trainer.model is not None and trainer.layout is not None and trainer.layout.spec:
+        spec = trainer.layout.spec
+        mine = (spec.coords(trainer.rank)[2], param_specs(trainer.model, tp=spec.tp))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    staged = sorted((g for g in gathered if g[0] >= 0), key=lambda g: g[0])
+    return merge_stage_specs([s for _, s in staged])
 
 
 def gather_full_state(trainer: GPTTrainer) -> dict[str, np.ndarray]:

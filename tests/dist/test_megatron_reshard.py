@@ -12,6 +12,11 @@ commit included; the resharded run equal to the reference until the first reshar
 checks the mean loss over the 24 steps against the reference (relative 1e-5), the layouts
 against Megatron's sharded_state_dict, and the distributed-optimizer layout against the
 range maps of Megatron's own DDP buffers built on the same groups.
+
+A pipeline scenario does the same from (tp=1, pp=2, dp=2) through
+(tp=2, pp=1, dp=2) to (tp=1, pp=2, dp=1): Megatron's pipeline schedules allocate with
+``device="cuda"`` and cannot run on CPU, so the harness drives the two stages itself (one
+microbatch, activations and their gradients over the layout's pipeline group).
 """
 
 from __future__ import annotations
@@ -28,7 +33,12 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.dist
 
-STEPS, ABORT_AT = 24, 4
+SCENARIOS: dict[str, dict[str, Any]] = {
+    # (tp2, dp2) -> (tp4, dp1) -> (tp1, dp2 on ranks 1 and 3); an aborted move at step 4.
+    "tp": {"start": "L0", "steps": 24, "abort_at": 4, "reshard": {7: "L1", 14: "L2"}},
+    # (tp1, pp2, dp2) -> (tp2, pp1, dp2) -> (tp1, pp2, dp1 on ranks 2 and 3).
+    "pp": {"start": "P0", "steps": 9, "abort_at": None, "reshard": {3: "P1", 6: "P2"}},
+}
 
 
 def _specs() -> dict[str, Any]:
@@ -38,6 +48,9 @@ def _specs() -> dict[str, Any]:
         "L0": LayoutSpec(ranks=(0, 1, 2, 3), tp=2, dp=2),
         "L1": LayoutSpec(ranks=(0, 1, 2, 3), tp=4, dp=1),
         "L2": LayoutSpec(ranks=(1, 3), tp=1, dp=2),
+        "P0": LayoutSpec(ranks=(0, 1, 2, 3), tp=1, pp=2, dp=2),
+        "P1": LayoutSpec(ranks=(0, 1, 2, 3), tp=2, pp=1, dp=2),
+        "P2": LayoutSpec(ranks=(2, 3), tp=1, pp=2, dp=1),
     }
 
 
@@ -81,14 +94,25 @@ def ddp_range_check(rank: int, trainer: Any, spec: Any) -> list[str]:
     return problems
 
 
-def worker(rank: int, world: int, port: int, ckpt_dir: str) -> dict[str, Any]:
-    from migrate_gpt_harness import GPTTrainer, gather_full_state, import_megatron, same_state
+def worker(rank: int, world: int, port: int, ckpt_dir: str, scenario: str) -> dict[str, Any]:
+    from migrate_gpt_harness import (
+        GPTTrainer,
+        describe_model,
+        gather_full_state,
+        global_specs,
+        import_megatron,
+        same_state,
+    )
 
     import_megatron()
     from megatron.core import tensor_parallel
 
     from dynarl.migrate import P2PMigration, trainer_layout
-    from dynarl.migrate.megatron_layout import param_specs, sharded_state_dict_mismatches
+    from dynarl.migrate.megatron_layout import sharded_state_dict_mismatches
+
+    torch.set_num_threads(1)  # four processes share the cores
+    plan = SCENARIOS[scenario]
+    steps, abort_at, reshard = plan["steps"], plan["abort_at"], plan["reshard"]
 
     specs = _specs()
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
@@ -97,19 +121,22 @@ def worker(rank: int, world: int, port: int, ckpt_dir: str) -> dict[str, Any]:
     problems: list[str] = out["problems"]
 
     reference = GPTTrainer(rank, store)
-    reference.start(specs["L0"], epoch=0)
+    model_specs = describe_model(rank, store)
+    reference.start(specs[plan["start"]], epoch=0, specs=model_specs)
     tensor_parallel.model_parallel_cuda_manual_seed(123)
-    problems += ddp_range_check(rank, reference, specs["L0"])
-    model_specs = param_specs(reference.model, tp=2)
-    ref_losses = [reference.train_step(s) for s in range(STEPS)]
+    if scenario == "tp":
+        problems += ddp_range_check(rank, reference, specs["L0"])
+    if global_specs(reference) != model_specs:
+        problems.append("merged per-stage descriptions differ from the one-rank description")
+    ref_losses = [reference.train_step(s) for s in range(steps)]
     reference.close()
 
     trainer, restarted = GPTTrainer(rank, store), None
-    trainer.start(specs["L0"], epoch=1)
+    trainer.start(specs[plan["start"]], epoch=1, specs=model_specs)
     epoch, losses, first_after_commit = 2, [], []
     problems += sharded_state_dict_mismatches(trainer.model, trainer.layout, rank)
-    for step in range(STEPS):
-        if step == ABORT_AT:
+    for step in range(steps):
+        if step == abort_at:
             before = gather_full_state(trainer)
             dst = trainer_layout(model_specs, specs["L1"])
             m = P2PMigration(migration_id="aborted", src=trainer.layout, dst=dst, rank=rank, store=store, epoch=epoch, trainer=trainer)
@@ -119,7 +146,7 @@ def worker(rank: int, world: int, port: int, ckpt_dir: str) -> dict[str, Any]:
             if not all(o.ok for o in forward + back) or m.rollback() != back[1] or m.commit().ok:
                 problems.append(f"abort path: {forward + back}")
             problems += [f"abort changed {n}" for n in same_state(before, gather_full_state(trainer))]
-        target = {7: "L1", 14: "L2"}.get(step)
+        target = reshard.get(step)
         if target is not None:
             before = gather_full_state(trainer)
             path = os.path.join(ckpt_dir, f"step{step}.pt")
@@ -146,7 +173,7 @@ def worker(rank: int, world: int, port: int, ckpt_dir: str) -> dict[str, Any]:
         losses.append(loss)
         if restarted is not None:
             fresh = restarted.train_step(step)
-            if step in (7, 14):
+            if step in reshard:
                 first_after_commit.append((loss, fresh))
             if loss != fresh:
                 problems.append(f"step {step}: resharded loss {loss} != restarted {fresh}")
@@ -161,14 +188,30 @@ def worker(rank: int, world: int, port: int, ckpt_dir: str) -> dict[str, Any]:
     return out
 
 
-def test_megatron_gpt_reshards_bitwise_while_training(spawn_ranks: Any, tmp_path: Any) -> None:
-    results = spawn_ranks(worker, 4, str(tmp_path), timeout_s=280)
+def check(results: list[dict[str, Any]], scenario: str) -> None:
     for rank, result in enumerate(results):
         assert result["problems"] == [], f"rank {rank}: {result['problems'][:10]}"
-    # Ranks 1 and 3 hold the final layout: their losses cover all 24 steps.
-    losses, ref = np.array(results[1]["losses"]), np.array(results[1]["ref_losses"])
-    assert len(losses) == STEPS and not np.isnan(losses).any()
-    assert abs(losses.mean() - ref.mean()) <= 1e-5 * abs(ref.mean())
-    assert len(results[1]["first_after_commit"]) == 2
-    assert all(a == b for a, b in results[1]["first_after_commit"])
+    steps = SCENARIOS[scenario]["steps"]
+    # Each step's global loss, from whichever ranks computed it (they agree bitwise).
+    losses, ref = [], []
+    for step in range(steps):
+        mine = {r["losses"][step] for r in results if r["losses"][step] is not None}
+        theirs = {r["ref_losses"][step] for r in results if r["ref_losses"][step] is not None}
+        assert len(mine) == 1 and len(theirs) == 1, (step, mine, theirs)
+        losses += mine
+        ref += theirs
+    assert abs(np.mean(losses) - np.mean(ref)) <= 1e-5 * abs(np.mean(ref))
+    pairs = [p for r in results for p in r["first_after_commit"]]
+    assert pairs and all(a == b for a, b in pairs)
+
+
+def test_megatron_gpt_reshards_bitwise_while_training(spawn_ranks: Any, tmp_path: Any) -> None:
+    results = spawn_ranks(worker, 4, str(tmp_path), "tp", timeout_s=280)
+    check(results, "tp")
+    assert len(results[1]["first_after_commit"]) == 2  # rank 1 holds every layout
     assert results[0]["losses"][13] is not None and results[0]["losses"][14] is None
+
+
+def test_megatron_gpt_pipeline_layouts_reshard_bitwise(spawn_ranks: Any, tmp_path: Any) -> None:
+    results = spawn_ranks(worker, 4, str(tmp_path), "pp", timeout_s=280)
+    check(results, "pp")
