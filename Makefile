@@ -6,6 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 export HYPOTHESIS_PROFILE ?= ci
+LINT_PATHS := $(wildcard dynarl tests examples bench)
 
 .PHONY: demo test test-slow lint bench venv clean
 
@@ -23,8 +24,8 @@ demo: $(STAMP)
 	$(VENV)/bin/dynarl demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dynarl tests examples bench
-	$(VENV)/bin/ruff format --check dynarl tests examples bench
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 

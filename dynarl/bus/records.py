@@ -46,6 +46,8 @@ class WorkerMetrics(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Items running on this worker now."""
     interruptible: bool = True
     """Whether this worker is at an interruptible point now."""
+    cache_hit_rate: float = 0.0
+    """Share of prefill tokens served from the prefix cache, in [0, 1] (rollout engines)."""
 
 
 class ComponentReport(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -123,6 +125,10 @@ class DecisionRecord(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Predicted bytes the migration moves."""
     rejected: tuple[RejectedCandidate, ...] = ()
     """Alternatives evaluated and not committed, with reasons."""
+    realised_iteration_delta_s: float | None = None
+    """Measured change of iteration time after a committed move, once known, seconds."""
+    prediction_error: float | None = None
+    """Relative error of the predicted pipeline throughput, once measured."""
 
 
 class MigrationRecord(msgspec.Struct, tag=True, frozen=True, kw_only=True):

@@ -2,4 +2,206 @@
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from dynarl.sched.candidates import (
+    Evaluation,
+    assess,
+    evaluate,
+)
+from dynarl.sched.config import (
+    Estimator,
+    PredictorConfig,
+    SchedulerConfig,
+)
+from dynarl.sched.decision import (
+    Candidate,
+    CostEstimate,
+    Decision,
+    DeviceMove,
+    MigrationCost,
+    Rejection,
+    Resize,
+    StaticMigrationCost,
+)
+from dynarl.sched.events import (
+    Clock,
+    CommandSink,
+    ManualClock,
+    MigrationCommand,
+    MonotonicClock,
+    MoveOutcome,
+    OperatorCommand,
+    QuotaChange,
+    SchedulerEvent,
+    Tick,
+)
+from dynarl.sched.extract import (
+    ChannelUse,
+    ExtractedComponent,
+    ExtractedEdge,
+    ExtractedGraph,
+    UnresolvedSite,
+    extract_graph,
+)
+from dynarl.sched.graph import (
+    Affinity,
+    HyperEdge,
+    Hypergraph,
+    HyperNode,
+    Node,
+)
+from dynarl.sched.hybrid import (
+    DefaultHybridPolicy,
+    DynamicScheduleContext,
+    FixedRatioPolicy,
+    HybridPolicy,
+    StaticFullyAsyncPolicy,
+    build_policy,
+    register_policy,
+    registered_policies,
+)
+from dynarl.sched.ledger import (
+    Ledger,
+    LedgerRecord,
+)
+from dynarl.sched.metrics import (
+    DynamicResourceMetrics,
+    RolloutUtilization,
+    resource_utilization,
+    rollout_capacity,
+    rollout_resource_utilization,
+    train_compute_time,
+    train_resource_utilization,
+)
+from dynarl.sched.placement import (
+    place,
+    release_devices,
+)
+from dynarl.sched.planner import (
+    Safety,
+    decide,
+    hold,
+)
+from dynarl.sched.predictor import (
+    ComponentProfile,
+    ProfilePoint,
+    RegressionPredictor,
+    ThroughputPredictor,
+    fit_power_law,
+)
+from dynarl.sched.replicas import (
+    HybridController,
+    HybridReplicas,
+    HybridState,
+    StepTimings,
+)
+from dynarl.sched.requests import (
+    FifoPolicy,
+    LeastAttainedServicePolicy,
+    PriorityPolicy,
+    QueuedRequest,
+    RequestPolicy,
+    RequestQueue,
+)
+from dynarl.sched.router import (
+    DataRouter,
+    RoutedItem,
+    Routing,
+)
+from dynarl.sched.scheduler import (
+    Scheduler,
+)
+from dynarl.sched.telemetry import (
+    MetricsBuffer,
+    aggregate_metrics,
+)
+from dynarl.sched.window import (
+    ComponentStats,
+    DonorSignal,
+    WindowSet,
+    detect_donors,
+)
+
+__all__ = [
+    "Affinity",
+    "Candidate",
+    "ChannelUse",
+    "Clock",
+    "CommandSink",
+    "ComponentProfile",
+    "ComponentStats",
+    "CostEstimate",
+    "DataRouter",
+    "Decision",
+    "DefaultHybridPolicy",
+    "DeviceMove",
+    "DonorSignal",
+    "DynamicResourceMetrics",
+    "DynamicScheduleContext",
+    "Estimator",
+    "Evaluation",
+    "ExtractedComponent",
+    "ExtractedEdge",
+    "ExtractedGraph",
+    "FifoPolicy",
+    "FixedRatioPolicy",
+    "HybridController",
+    "HybridPolicy",
+    "HybridReplicas",
+    "HybridState",
+    "HyperEdge",
+    "HyperNode",
+    "Hypergraph",
+    "LeastAttainedServicePolicy",
+    "Ledger",
+    "LedgerRecord",
+    "ManualClock",
+    "MetricsBuffer",
+    "MigrationCommand",
+    "MigrationCost",
+    "MonotonicClock",
+    "MoveOutcome",
+    "Node",
+    "OperatorCommand",
+    "PredictorConfig",
+    "PriorityPolicy",
+    "ProfilePoint",
+    "QueuedRequest",
+    "QuotaChange",
+    "RegressionPredictor",
+    "Rejection",
+    "RequestPolicy",
+    "RequestQueue",
+    "Resize",
+    "RolloutUtilization",
+    "RoutedItem",
+    "Routing",
+    "Safety",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerEvent",
+    "StaticFullyAsyncPolicy",
+    "StaticMigrationCost",
+    "StepTimings",
+    "ThroughputPredictor",
+    "Tick",
+    "UnresolvedSite",
+    "WindowSet",
+    "aggregate_metrics",
+    "assess",
+    "build_policy",
+    "decide",
+    "detect_donors",
+    "evaluate",
+    "extract_graph",
+    "fit_power_law",
+    "hold",
+    "place",
+    "register_policy",
+    "registered_policies",
+    "release_devices",
+    "resource_utilization",
+    "rollout_capacity",
+    "rollout_resource_utilization",
+    "train_compute_time",
+    "train_resource_utilization",
+]

@@ -1,0 +1,109 @@
+"""Speed of the reference CPU backend: decode throughput and trainer step time.
+
+Run: ``.venv/bin/python bench/reference.py``. One intra-op thread (the runtime's device
+model: one compute thread per worker). Decode: ``batch`` requests of a 16-token prompt
+generate exactly 64 tokens each (no stop token), timed from submit to the last token,
+prefill included. Train: one GRPO step on 64 sequences of 32–64 tokens, micro-batches of
+8, median of 5. Figures are noisy on a shared machine; the ratios (batching gain,
+deterministic-mode cost) are measured in the same run. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from dynarl.backends.reference import (
+    EngineConfig,
+    GenerationRequest,
+    GPTConfig,
+    ParallelGPT,
+    RolloutEngine,
+    TrainConfig,
+    Trainer,
+    TrainSample,
+    solo_process_group,
+)
+
+MODEL = GPTConfig()  # vocab 64, hidden 64, 2 layers, 4 heads, MLP 256
+BATCHES = (1, 8, 32)
+NEW_TOKENS = 64
+REPEATS = 3
+
+
+def decode_tokens_per_s(weights: dict[str, torch.Tensor], batch: int, deterministic: bool) -> float:
+    best = 0.0
+    for repeat in range(REPEATS):
+        engine = RolloutEngine(
+            MODEL,
+            EngineConfig(num_slots=batch, deterministic=deterministic, prefix_cache_tokens=0),
+        )
+        engine.load_weights(weights, version=0)
+        start = time.perf_counter()
+        for i in range(batch):
+            prompt = (1, *[(3 + 7 * i + j) % 60 + 3 for j in range(15)])
+            engine.submit(
+                GenerationRequest(
+                    sample_id=repeat * 1000 + i, prompt=prompt, max_new_tokens=NEW_TOKENS
+                )
+            )
+        engine.run_until_idle()
+        elapsed = time.perf_counter() - start
+        best = max(best, engine.stats().generated_tokens / elapsed)
+    return best
+
+
+def train_step_s(group: torch.distributed.ProcessGroup, deterministic: bool) -> float:
+    trainer = Trainer(
+        MODEL,
+        TrainConfig(micro_batch_size=8, deterministic=deterministic),
+        tp_group=group,
+        dp_group=group,
+    )
+    rng = random.Random(0)
+    batch = []
+    for i in range(64):
+        n = rng.randint(32, 64)
+        tokens = tuple(rng.randrange(3, 64) for _ in range(n))
+        mask = tuple(t >= 16 for t in range(n - 1))
+        batch.append(TrainSample(tokens=tokens, loss_mask=mask, advantage=(-1.0) ** i))
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        trainer.train_step(batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    with solo_process_group() as group:
+        weights = ParallelGPT(MODEL, tp_group=group).full_state_dict()
+        train = {
+            "deterministic": train_step_s(group, True),
+            "fast": train_step_s(group, False),
+        }
+    decode: dict[str, dict[str, float]] = {}
+    for mode, deterministic in (("deterministic", True), ("fast", False)):
+        decode[mode] = {str(b): decode_tokens_per_s(weights, b, deterministic) for b in BATCHES}
+        for b in BATCHES:
+            print(f"decode {mode:13s} batch {b:2d}: {decode[mode][str(b)]:9.0f} tokens/s")
+    for mode, seconds in train.items():
+        print(f"train step {mode:13s} (64 seqs, micro 8): {seconds * 1e3:7.1f} ms")
+    result = {
+        "decode_tokens_per_s": decode,
+        "train_step_s": train,
+        "batching_gain_32_vs_1": {mode: decode[mode]["32"] / decode[mode]["1"] for mode in decode},
+        "deterministic_decode_cost_at_32": decode["fast"]["32"] / decode["deterministic"]["32"],
+        "deterministic_train_cost": train["deterministic"] / train["fast"],
+        "num_threads": torch.get_num_threads(),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The reference CPU backend: a real, small RL stack that runs anywhere torch runs.
+
+* model: :class:`ParallelGPT` (Megatron-core tensor-parallel layers, gloo on CPU);
+* rollout: :class:`RolloutEngine` (continuous batching, per-sequence KV cache, prefix
+  cache, injected request queue, abort with partial output, KV utilization, sampling keyed
+  by seed, sample id and position, a batch-invariant deterministic mode);
+* inference and tools: :class:`LogProbWorker`, :class:`ToolWorker` (a calculator);
+* training: :class:`Trainer` (TP × DP, ``torch.optim.Adam``, DP-size-invariant
+  deterministic mode) and GRPO's math (:func:`group_advantages`, :func:`policy_loss`);
+* tasks: :class:`ChainSumTask` (heavy-tailed single turn), :class:`ToolCalcTask`
+  (multi-turn with the calculator), :class:`CharTokenizer`;
+* :func:`run_grpo`: the whole job in one process.
+
+Importing this package imports Megatron-core (after applying the CPU shim).
+"""
+
+from __future__ import annotations
+
+from dynarl.backends.reference.decoder import Decoder, DecoderRows
+from dynarl.backends.reference.engine import EngineConfig, RolloutEngine
+from dynarl.backends.reference.grpo import (
+    GRPOConfig,
+    PolicyLoss,
+    TrainSample,
+    group_advantages,
+    kl_k3,
+    pad_samples,
+    per_target,
+    policy_loss,
+)
+from dynarl.backends.reference.kvcache import KVPool, KVPoolShape
+from dynarl.backends.reference.logprob import LogProbWorker
+from dynarl.backends.reference.model import (
+    GPTConfig,
+    ParallelGPT,
+    ParamShard,
+    check_full_state,
+    param_layout,
+    solo_process_group,
+)
+from dynarl.backends.reference.prefix_cache import PrefixCache, PrefixMatch
+from dynarl.backends.reference.request import (
+    EngineStats,
+    FifoQueue,
+    FinishReason,
+    GenerationOutput,
+    GenerationRequest,
+    PendingRequest,
+    RequestQueue,
+)
+from dynarl.backends.reference.rollout import RolloutConfig, Sample, collect_rollouts
+from dynarl.backends.reference.sampling import sample_tokens, sampling_uniform
+from dynarl.backends.reference.smoke import (
+    SmokeConfig,
+    SmokeResult,
+    StepRecord,
+    make_task,
+    run_grpo,
+    sft_samples,
+)
+from dynarl.backends.reference.tasks import (
+    ChainSumTask,
+    Problem,
+    Task,
+    ToolCalcTask,
+    environment_mask,
+)
+from dynarl.backends.reference.tokenizer import CharTokenizer
+from dynarl.backends.reference.tools import Calculator, ToolLatency, ToolResult, ToolWorker
+from dynarl.backends.reference.trainer import (
+    StepStats,
+    TrainConfig,
+    Trainer,
+    TrainerState,
+    state_checksum,
+)
+
+__all__ = [
+    "Calculator",
+    "ChainSumTask",
+    "CharTokenizer",
+    "Decoder",
+    "DecoderRows",
+    "EngineConfig",
+    "EngineStats",
+    "FifoQueue",
+    "FinishReason",
+    "GPTConfig",
+    "GRPOConfig",
+    "GenerationOutput",
+    "GenerationRequest",
+    "KVPool",
+    "KVPoolShape",
+    "LogProbWorker",
+    "ParallelGPT",
+    "ParamShard",
+    "PendingRequest",
+    "PolicyLoss",
+    "PrefixCache",
+    "PrefixMatch",
+    "Problem",
+    "RequestQueue",
+    "RolloutConfig",
+    "RolloutEngine",
+    "Sample",
+    "SmokeConfig",
+    "SmokeResult",
+    "StepRecord",
+    "StepStats",
+    "Task",
+    "ToolCalcTask",
+    "ToolLatency",
+    "ToolResult",
+    "ToolWorker",
+    "TrainConfig",
+    "TrainSample",
+    "Trainer",
+    "TrainerState",
+    "check_full_state",
+    "collect_rollouts",
+    "environment_mask",
+    "group_advantages",
+    "kl_k3",
+    "make_task",
+    "pad_samples",
+    "param_layout",
+    "per_target",
+    "policy_loss",
+    "run_grpo",
+    "sample_tokens",
+    "sampling_uniform",
+    "sft_samples",
+    "solo_process_group",
+    "state_checksum",
+]

@@ -1,0 +1,352 @@
+"""The scheduler: one coroutine that turns reports into decisions and migration commands.
+
+Time comes only from the injected :class:`Clock`, inputs only from the event stream
+(component reports, move outcomes, quota changes, operator commands, ticks) and outputs
+only go to the injected :class:`CommandSink`, so the simulator drives the very same code
+in virtual time. :meth:`Scheduler.handle` is the synchronous step (it never waits);
+:meth:`Scheduler.run` feeds it from an async iterator. Every decision round, committed
+or not, goes to the ledger. Runs on the controller, in its event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from dynarl.bus.records import ComponentReport
+from dynarl.sched.config import SchedulerConfig
+from dynarl.sched.decision import Decision, DeviceMove, MigrationCost
+from dynarl.sched.events import (
+    Clock,
+    CommandSink,
+    MigrationCommand,
+    MoveOutcome,
+    OperatorCommand,
+    QuotaChange,
+    SchedulerEvent,
+    Tick,
+)
+from dynarl.sched.graph import Hypergraph, HyperNode
+from dynarl.sched.ledger import Ledger
+from dynarl.sched.placement import release_devices
+from dynarl.sched.planner import Safety, decide, hold
+from dynarl.sched.predictor import ThroughputPredictor
+from dynarl.sched.window import DonorSignal, WindowSet, detect_donors
+from dynarl.types import Allocation
+
+__all__ = ["Scheduler"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Counters:
+    rounds: int = 0
+    last_round: float = -float("inf")
+    history: list[Decision] = field(default_factory=list)
+
+
+class Scheduler:
+    """Decides reallocations from component reports (see the module docstring).
+
+    Raises ValueError for an allocation that names components the graph lacks.
+    """
+
+    def __init__(
+        self,
+        *,
+        graph: Hypergraph | Mapping[str, HyperNode],
+        allocation: Allocation,
+        predictor: ThroughputPredictor,
+        cost: MigrationCost,
+        clock: Clock,
+        config: SchedulerConfig | None = None,
+        ledger: Ledger | None = None,
+        free: Sequence[int] = (),
+        submit_timeout_s: float = 30.0,
+    ) -> None:
+        self._graph = graph
+        self.config = config or SchedulerConfig()
+        unknown = set(allocation.components) - set(self.nodes)
+        if unknown:
+            raise ValueError(f"allocation names components not in the graph: {sorted(unknown)}")
+        self.allocation = allocation
+        self._quota = set(free) | {d for _, devs in allocation.assignment for d in devs}
+        self.predictor = predictor
+        self.cost = cost
+        self.clock = clock
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.windows = WindowSet(self.config)
+        self.safety = Safety()
+        self.observe_only = self.config.observe_only
+        self.submit_timeout_s = submit_timeout_s
+        self._counters = _Counters()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def nodes(self) -> dict[str, HyperNode]:
+        """The components, as the graph describes them now."""
+        if isinstance(self._graph, Hypergraph):
+            return {node.name: node for node in self._graph.components}
+        return dict(self._graph)
+
+    @property
+    def allocation(self) -> Allocation:
+        """The allocation in force (the last one a move committed, or the initial one)."""
+        return self._allocation
+
+    @allocation.setter
+    def allocation(self, allocation: Allocation) -> None:
+        self._allocation = allocation
+        self._free: tuple[int, ...] | None = None
+
+    @property
+    def free(self) -> tuple[int, ...]:
+        """Devices of the job's quota no component holds."""
+        if self._free is None:
+            held = {d for _, devs in self._allocation.assignment for d in devs}
+            self._free = tuple(sorted(self._quota - held))
+        return self._free
+
+    @property
+    def last_decision(self) -> Decision | None:
+        """The latest round's decision."""
+        return self._counters.history[-1] if self._counters.history else None
+
+    # ------------------------------------------------------------------- loop
+    async def run(self, events: AsyncIterable[SchedulerEvent], commands: CommandSink) -> None:
+        """Handle ``events`` until the stream ends, submitting every command.
+
+        A submission that fails or exceeds ``submit_timeout_s`` counts as a failed move.
+        """
+        async for event in events:
+            for command in self.handle(event):
+                try:
+                    async with asyncio.timeout(self.submit_timeout_s):
+                        await commands.submit(command)
+                except (TimeoutError, OSError) as err:
+                    logger.warning("submitting %s failed: %r", command.decision_id, err)
+                    self._outcome(
+                        MoveOutcome(
+                            decision_id=command.decision_id,
+                            ok=False,
+                            allocation=self.allocation,
+                            reason=f"submission failed: {err!r}",
+                        )
+                    )
+
+    def handle(self, event: SchedulerEvent) -> list[MigrationCommand]:
+        """Take one event; returns the commands to carry out (never waits)."""
+        match event:
+            case ComponentReport():
+                self._observe(event)
+            case MoveOutcome():
+                self._outcome(event)
+            case QuotaChange():
+                return self._quota_change(event)
+            case OperatorCommand():
+                self._operator(event)
+                return []
+            case Tick():
+                pass
+        now = self.clock.now()
+        if now - self._counters.last_round < self.config.decision_interval_s:
+            return []
+        return self.round(now)
+
+    def _observe(self, report: ComponentReport) -> None:
+        if report.component not in self.nodes:
+            logger.warning("report for unknown component %r dropped", report.component)
+            return
+        try:
+            self.windows.observe(report)
+        except ValueError as err:
+            logger.warning("report dropped: %s", err)
+            return
+        if self.safety.in_flight is None:
+            self.predictor.observe(
+                report.component, self.allocation.count(report.component), report
+            )
+
+    def _outcome(self, outcome: MoveOutcome) -> None:
+        for record in outcome.records:
+            self.ledger.append(record)
+        # The runtime's word on what is in force is authoritative, whichever move it ends.
+        self.allocation = outcome.allocation
+        if outcome.decision_id != self.safety.in_flight:
+            logger.warning("outcome of %s, which is not the move in flight", outcome.decision_id)
+            return
+        was_safe = self.safety.safe
+        self.safety = self.safety.finished(outcome.ok, self.clock.now(), self.config)
+        logger.info(
+            "move %s %s", outcome.decision_id, "done" if outcome.ok else f"failed: {outcome.reason}"
+        )
+        if self.safety.safe and not was_safe:
+            logger.warning("entering safe mode: %s", self.safety.safe_reason)
+
+    def _operator(self, command: OperatorCommand) -> None:
+        logger.info("operator: %s (%s)", command.action, command.reason)
+        if command.action == "enter_safe_mode":
+            self.safety = self.safety.enter(command.reason, self.clock.now(), operator=True)
+        elif command.action == "leave_safe_mode":
+            self.safety = self.safety.leave()
+        else:
+            self.observe_only = command.action == "observe_only"
+
+    # ------------------------------------------------------------------ round
+    def round(self, now: float) -> list[MigrationCommand]:
+        """Run one decision round at ``now`` and record it; returns its commands."""
+        self._counters.last_round = now
+        self.predictor.refit()
+        nodes = self.nodes
+        stats = self.windows.stats()
+        was_safe = self.safety.safe
+        self.safety = self.safety.tick(now, self.config)
+        errors = {name: self.predictor.prediction_error(name) for name in nodes}
+        self.safety = self.safety.check_errors(errors, now, self.config)
+        if self.safety.safe != was_safe:
+            logger.warning(
+                "safe mode %s: %s", "on" if self.safety.safe else "off", self.safety.safe_reason
+            )
+        donors = detect_donors(stats, self.config)
+        gate = self.safety.gate(now, self.config)
+        if gate is not None or (not donors and not self.free):
+            decision = self._hold(f"hold: {gate or 'no donor'}", now, donors)
+        else:
+            decision = decide(
+                nodes=nodes,
+                allocation=self.allocation,
+                free=self.free,
+                stats=stats,
+                donors=donors,
+                predictor=self.predictor,
+                cost=self.cost,
+                config=self.config,
+                time=now,
+            )
+        return self._record(decision, now)
+
+    def _next_id(self) -> str:
+        self._counters.rounds += 1
+        return f"d{self._counters.rounds:06d}"
+
+    def _record(self, decision: Decision, now: float) -> list[MigrationCommand]:
+        decision_id = self._next_id()
+        self._counters.history.append(decision)
+        del self._counters.history[:-64]
+        record = decision.to_record(decision_id)
+        commands = []
+        if decision.committed and self.observe_only:
+            record = msgspec.structs.replace(
+                record,
+                committed=False,
+                new_allocation=record.old_allocation,
+                reason=f"observe-only, would {decision.reason}",
+            )
+        elif decision.committed:
+            commands.append(
+                MigrationCommand(
+                    decision_id=decision_id,
+                    time=now,
+                    old_allocation=decision.old_allocation,
+                    new_allocation=decision.new_allocation(),
+                    moves=decision.moves,
+                )
+            )
+            self.safety = self.safety.started(decision_id)
+            logger.info("%s: %s", decision_id, decision.reason)
+        self.ledger.append(record)
+        return commands
+
+    # ------------------------------------------------------------------ quota
+    def _quota_change(self, change: QuotaChange) -> list[MigrationCommand]:
+        """Grants join the free pool and trigger a round; reclaims force a shrink.
+
+        A reclaim is the cluster's order, so its command is emitted even in safe mode and
+        observe-only mode; a change outside the job's elastic bounds is refused.
+        """
+        now = self.clock.now()
+        granted = set(change.granted) - self._quota
+        reclaimed = set(change.reclaimed) & self._quota
+        size = len(self._quota) + len(granted) - len(reclaimed)
+        cfg = self.config
+        if size < cfg.min_quota_devices or (cfg.max_quota_devices and size > cfg.max_quota_devices):
+            reason = f"quota change to {size} devices refused: outside the job's elastic bounds"
+            logger.error("%s", reason)
+            return self._record(self._hold(reason, now), now)
+        self._quota |= granted
+        self._free = None
+        moves, targets = self._reclaim_moves(reclaimed)
+        if moves is None:
+            reason = f"reclaim refused: {targets}"
+            logger.error("%s", reason)
+            self._quota -= granted
+            self._free = None
+            return self._record(self._hold(reason, now), now)
+        self._quota -= reclaimed
+        self._free = None
+        logger.info("quota: +%d -%d devices, now %d", len(granted), len(reclaimed), size)
+        if not moves:
+            return self.round(now)
+        decision_id = self._next_id()
+        mapping = {name: set(devs) for name, devs in self.allocation.assignment}
+        for move in moves:
+            assert move.src is not None
+            mapping[move.src] -= set(move.devices)
+        new = Allocation.of(mapping)
+        record = self._hold(f"reclaim of {len(reclaimed)} devices by the cluster", now)
+        self.ledger.append(
+            msgspec.structs.replace(
+                record.to_record(decision_id), committed=True, new_allocation=new.counts()
+            )
+        )
+        self.safety = self.safety.started(decision_id)
+        return [
+            MigrationCommand(
+                decision_id=decision_id,
+                time=now,
+                old_allocation=self.allocation,
+                new_allocation=new,
+                moves=moves,
+                forced=True,
+            )
+        ]
+
+    def _reclaim_moves(self, reclaimed: set[int]) -> tuple[tuple[DeviceMove, ...] | None, str]:
+        moves = []
+        nodes = self.nodes
+        for name, devices in self.allocation.assignment:
+            lost = reclaimed & set(devices)
+            if not lost:
+                continue
+            node = nodes[name]
+            keep = sorted(set(devices) - lost)
+            valid = [
+                s
+                for s in node.valid_sizes(0, len(keep), self.config.num_size_points)
+                if s <= len(keep)
+            ]
+            if not valid:
+                return None, f"{name} would fall below its minimum of {node.min_devices} devices"
+            extra = release_devices(
+                keep, len(keep) - max(valid), node.tp, self.config.num_devices_per_node
+            )
+            moves.append(DeviceMove(src=name, dst=None, devices=tuple(sorted(lost | set(extra)))))
+        return tuple(moves), ""
+
+    def _hold(self, reason: str, now: float, donors: Sequence[DonorSignal] = ()) -> Decision:
+        return hold(
+            reason=reason,
+            nodes=self.nodes,
+            allocation=self.allocation,
+            free=self.free,
+            stats=self.windows.stats(),
+            predictor=self.predictor,
+            config=self.config,
+            time=now,
+            donors=donors,
+        )

@@ -1,0 +1,89 @@
+"""The ledger: JSONL sink, reload, queries, realised effects filled in later."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from dynarl.bus import DecisionRecord, MigrationRecord
+from dynarl.sched import Ledger
+
+
+def decision(i: int, *, committed: bool, time: float, donor: str | None = None) -> DecisionRecord:
+    return DecisionRecord(
+        decision_id=f"d{i}",
+        time=time,
+        committed=committed,
+        reason="commit: saves 3 s" if committed else "hold: no donor",
+        old_allocation={"rollout": 8, "trainer": 4},
+        new_allocation={"rollout": 4, "trainer": 8} if committed else {"rollout": 8, "trainer": 4},
+        donor=donor,
+        receivers=("trainer",) if committed else (),
+        predicted_bottleneck="trainer",
+        expected_gain_s=3.0 if committed else 0.0,
+    )
+
+
+def migration(i: int, time: float, outcome: str = "committed") -> MigrationRecord:
+    return MigrationRecord(
+        migration_id=f"m{i}",
+        decision_id="d2",
+        time=time,
+        kind="p2p",
+        component="trainer",
+        src_devices=(0, 1),
+        dst_devices=(0, 1, 2, 3),
+        outcome=outcome,
+        bytes_moved=1 << 20,
+        pause_s=0.4,
+        cache_loss_tokens=0,
+    )
+
+
+def test_jsonl_round_trip_queries_and_late_fill(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    with Ledger(path) as ledger:
+        ledger.append(decision(1, committed=False, time=1.0))
+        ledger.append(decision(2, committed=True, time=2.0, donor="rollout"))
+        ledger.append(migration(1, 2.5))
+        ledger.append(migration(2, 3.0, outcome="rolled_back"))
+        updated = ledger.fill_realised("d2", realised_iteration_delta_s=-2.5, prediction_error=0.1)
+        assert isinstance(updated, DecisionRecord) and updated.realised_iteration_delta_s == -2.5
+        ledger.fill_realised("m1", realised_iteration_delta_s=-2.5, kind="migration")
+        assert [r.time for r in ledger.query(since=2.0, until=2.9)] == [2.0, 2.5]
+        assert ledger.query(kind="decision", committed=False) == [
+            decision(1, committed=False, time=1.0)
+        ]
+        assert [r.migration_id for r in ledger.query(kind="migration", committed=False)] == ["m2"]  # type: ignore[union-attr]
+        assert len(ledger.query(component="rollout")) == 1
+        assert len(ledger.query(component="trainer")) == 4
+        assert [r.time for r in ledger.query(reason="no donor")] == [1.0]
+        with pytest.raises(ValueError, match="no decision record 'zz'"):
+            ledger.fill_realised("zz", prediction_error=0.5)
+    lines = path.read_bytes().splitlines()
+    assert len(lines) == 6  # four records and two late fills, append-only
+    again = Ledger.load(path)
+    assert len(again) == 4
+    assert again.get("d2") == updated
+    assert again.get("m1", kind="migration").realised_iteration_delta_s == -2.5  # type: ignore[union-attr]
+    assert list(again) == again.query()
+
+
+def test_load_names_the_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"type": "DecisionRecord"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: bad ledger record"):
+        Ledger.load(path)
+
+
+def test_async_context_manager_closes(tmp_path: Path) -> None:
+    async def use() -> Ledger:
+        async with Ledger(tmp_path / "a.jsonl") as ledger:
+            ledger.append(decision(1, committed=False, time=0.0))
+        return ledger
+
+    ledger = asyncio.run(use())
+    ledger.close()  # idempotent
+    assert Ledger.load(tmp_path / "a.jsonl").get("d1").time == 0.0

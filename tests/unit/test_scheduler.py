@@ -1,0 +1,281 @@
+"""The scheduler coroutine in virtual time: rounds, gates, safe mode, observe-only, quota."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from sched_support import PowerLawPredictor, report
+
+from dynarl.bus import ComponentReport, DecisionRecord, MigrationRecord
+from dynarl.sched import (
+    Hypergraph,
+    HyperNode,
+    Ledger,
+    ManualClock,
+    MigrationCommand,
+    MoveOutcome,
+    OperatorCommand,
+    QuotaChange,
+    Scheduler,
+    SchedulerConfig,
+    StaticMigrationCost,
+    Tick,
+)
+from dynarl.types import Allocation, ComponentKind, MigrationKind
+
+NODES = {
+    "rollout": HyperNode(name="rollout", kind=ComponentKind.ROLLOUT, min_devices=2),
+    "trainer": HyperNode(
+        name="trainer",
+        kind=ComponentKind.TRAINER,
+        migration=MigrationKind.P2P,
+        tp=2,
+        dp_sizes=(1, 2, 4, 8),
+        min_devices=2,
+    ),
+}
+START = Allocation.of({"rollout": range(0, 12), "trainer": range(12, 16)})
+
+
+def make(**config: object) -> tuple[Scheduler, ManualClock]:
+    clock = ManualClock()
+    settings = {"num_devices_per_node": 4, "min_move_interval_s": 10.0} | config
+    scheduler = Scheduler(
+        graph=NODES,
+        allocation=START,
+        predictor=PowerLawPredictor({"rollout": (100.0, 0.9, 4.0), "trainer": (10.0, 1.0, 0.0)}),
+        cost=StaticMigrationCost(seconds={MigrationKind.WORKLOAD: 1.0, MigrationKind.P2P: 2.0}),
+        clock=clock,
+        config=SchedulerConfig(**settings),  # type: ignore[arg-type]
+    )
+    return scheduler, clock
+
+
+def interval(
+    s: Scheduler, t: float, *, idle: bool = True, interruptible: bool = True
+) -> list[ComponentReport]:
+    n_roll = s.allocation.count("rollout")
+    n_train = s.allocation.count("trainer")
+    return [
+        report(
+            "rollout",
+            time=t,
+            utilization=((0.05 if idle else 0.9),) * n_roll,
+            remaining=8 if idle else 4000,
+            interruptible=interruptible,
+        ),
+        report(
+            "trainer",
+            kind="trainer",
+            time=t,
+            utilization=(1.0,) * (n_train // 2),
+            remaining=1000,
+            queue_depth=50,
+        ),
+    ]
+
+
+def advance(s: Scheduler, clock: ManualClock, seconds: int, **kw: object) -> list[MigrationCommand]:
+    commands: list[MigrationCommand] = []
+    for _ in range(seconds):
+        t = clock.advance(1.0)
+        for r in interval(s, t, **kw):  # type: ignore[arg-type]
+            commands += s.handle(r)
+    return commands
+
+
+def decisions(ledger: Ledger) -> list[DecisionRecord]:
+    return [r for r in ledger.query(kind="decision") if isinstance(r, DecisionRecord)]
+
+
+def finish(s: Scheduler, command: MigrationCommand, ok: bool = True) -> None:
+    s.handle(
+        MoveOutcome(
+            decision_id=command.decision_id,
+            ok=ok,
+            allocation=command.new_allocation if ok else command.old_allocation,
+            reason="" if ok else "peer lost",
+        )
+    )
+
+
+def test_tail_donor_is_moved_after_t_seconds_and_every_round_is_recorded() -> None:
+    s, clock = make()
+    assert advance(s, clock, 3) == []  # idle for 3 s < T = 4 s
+    rounds = decisions(s.ledger)
+    assert len(rounds) == 3 and all(r.reason == "hold: no donor" for r in rounds)
+    (command,) = advance(s, clock, 1)
+    assert command.new_allocation.count("trainer") > 4
+    assert command.old_allocation == START and not command.forced
+    (last,) = s.ledger.query(committed=True)
+    assert isinstance(last, DecisionRecord) and last.decision_id == command.decision_id
+    assert last.donor == "rollout" and last.receivers == ("trainer",)
+    assert last.expected_gain_s > 0 and last.predicted_bottleneck is not None
+    # While the move is in flight nothing else moves.
+    assert advance(s, clock, 2) == []
+    assert decisions(s.ledger)[-1].reason.startswith("hold: move d000004 still in flight")
+
+
+def test_minimum_interval_between_moves() -> None:
+    s, clock = make(min_move_interval_s=5.0)
+    (command,) = advance(s, clock, 4)
+    finish(s, command)
+    assert s.allocation == command.new_allocation
+    # The trainer is still the bottleneck and the rollout tail still idle: a second move
+    # is wanted but must wait out the interval (and the donor's idle clock restarts).
+    commands = advance(s, clock, 4)
+    assert commands == []
+    assert any("minimum interval" in r.reason for r in decisions(s.ledger))
+
+
+def test_failed_moves_enter_safe_mode_until_cool_down() -> None:
+    s, clock = make(min_move_interval_s=0.0, max_failed_moves=2, safe_mode_cooldown_s=20.0)
+    (first,) = advance(s, clock, 4)
+    finish(s, first, ok=False)
+    assert s.allocation == START and not s.safety.safe
+    (second,) = advance(s, clock, 1)
+    finish(s, second, ok=False)
+    assert s.safety.safe and "2 consecutive failed moves" in s.safety.safe_reason
+    assert advance(s, clock, 10) == []
+    assert decisions(s.ledger)[-1].reason.startswith("hold: safe mode: 2 consecutive failed")
+    assert s.allocation == START  # the last valid allocation is frozen
+    commands = advance(s, clock, 11)
+    assert not s.safety.safe and len(commands) == 1
+
+
+def test_operator_safe_mode_outlasts_cool_down_and_observe_only_never_moves() -> None:
+    s, clock = make(safe_mode_cooldown_s=1.0)
+    s.handle(OperatorCommand(action="enter_safe_mode", reason="maintenance"))
+    assert advance(s, clock, 8) == []
+    assert s.safety.safe and s.safety.safe_reason == "maintenance"
+    s.handle(OperatorCommand(action="leave_safe_mode"))
+    s.handle(OperatorCommand(action="observe_only"))
+    assert advance(s, clock, 3) == []
+    would = [r for r in decisions(s.ledger) if r.reason.startswith("observe-only, would commit")]
+    assert would and all(not r.committed and r.new_allocation == r.old_allocation for r in would)
+    assert all(r.expected_gain_s > 0 for r in would)
+    s.handle(OperatorCommand(action="act"))
+    assert len(advance(s, clock, 1)) == 1
+
+
+def test_prediction_error_beyond_bound_enters_safe_mode() -> None:
+    s, clock = make(num_error_samples=4, max_prediction_error=0.3)
+    assert isinstance(s.predictor, PowerLawPredictor)
+    s.predictor.errors["trainer"] = (0.9, 4)
+    assert advance(s, clock, 5) == []
+    assert s.safety.safe and "prediction error of trainer" in s.safety.safe_reason
+
+
+def test_non_interruptible_components_are_not_planned() -> None:
+    s, clock = make()
+    assert advance(s, clock, 8, interruptible=False) == []
+    assert all(not r.committed for r in decisions(s.ledger))
+
+
+def test_quota_grant_replans_and_reclaim_forces_a_shrink() -> None:
+    s, clock = make(max_quota_devices=24, min_quota_devices=8)
+    advance(s, clock, 1, idle=False)
+    clock.advance(1.0)
+    (grant,) = s.handle(QuotaChange(granted=tuple(range(16, 24))))
+    assert (
+        grant.new_allocation.count("trainer") == 8 + 4 or grant.new_allocation.count("trainer") > 4
+    )
+    finish(s, grant)
+    clock.advance(20.0)
+    (reclaim,) = s.handle(QuotaChange(reclaimed=(0, 1, 2)))
+    assert reclaim.forced
+    assert reclaim.new_allocation.count("rollout") == s.allocation.count("rollout") - 3
+    assert not set(reclaim.new_allocation.devices("rollout")) & {0, 1, 2}
+    finish(s, reclaim)
+    assert {0, 1, 2}.isdisjoint(s.free) and s.allocation == reclaim.new_allocation
+    refused = s.handle(QuotaChange(granted=tuple(range(100, 120))))
+    assert refused == [] and "refused" in decisions(s.ledger)[-1].reason
+
+
+class Sink:
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.commands: list[MigrationCommand] = []
+
+    async def submit(self, command: MigrationCommand) -> None:
+        await asyncio.sleep(self.delay)
+        self.commands.append(command)
+
+
+async def events(s: Scheduler, clock: ManualClock) -> AsyncIterator[ComponentReport | Tick]:
+    for _ in range(5):
+        t = clock.advance(1.0)
+        for r in interval(s, t):
+            yield r
+    yield Tick()
+
+
+def test_run_coroutine_submits_commands() -> None:
+    s, clock = make(min_move_interval_s=0.0)
+    sink = Sink(0.0)
+    asyncio.run(s.run(events(s, clock), sink))
+    (command,) = sink.commands
+    assert s.safety.in_flight == command.decision_id
+
+
+def test_run_coroutine_counts_a_timed_out_submission_as_a_failed_move() -> None:
+    s, clock = make(min_move_interval_s=0.0)
+    s.submit_timeout_s = 0.01
+    asyncio.run(s.run(events(s, clock), Sink(1.0)))
+    # Both rounds that committed (t=4 and t=5) timed out; nothing is left in flight.
+    assert s.safety.failures == 2 and s.safety.in_flight is None
+    assert s.allocation == START
+
+
+def test_migration_records_reach_the_ledger() -> None:
+    s, clock = make()
+    (command,) = advance(s, clock, 4)
+    record = MigrationRecord(
+        migration_id="m1",
+        decision_id=command.decision_id,
+        time=clock.now(),
+        kind="p2p",
+        component="trainer",
+        src_devices=(12, 13, 14, 15),
+        dst_devices=command.new_allocation.devices("trainer"),
+        outcome="committed",
+    )
+    s.handle(
+        MoveOutcome(
+            decision_id=command.decision_id,
+            ok=True,
+            allocation=command.new_allocation,
+            records=(record,),
+        )
+    )
+    assert s.ledger.query(kind="migration", component="trainer") == [record]
+
+
+def test_graph_registry_backed_scheduler_and_bad_reports_are_dropped() -> None:
+    clock = ManualClock()
+    graph = Hypergraph.of(NODES.values())
+    s = Scheduler(
+        graph=graph,
+        allocation=START,
+        predictor=PowerLawPredictor({"rollout": (100.0, 0.9, 4.0), "trainer": (10.0, 1.0, 0.0)}),
+        cost=StaticMigrationCost(seconds={MigrationKind.P2P: 2.0}),
+        clock=clock,
+        config=SchedulerConfig(num_devices_per_node=4),
+        free=(16, 17),
+    )
+    assert s.free == (16, 17)
+    s.handle(report("critic", time=1.0))  # unknown component: dropped, nothing breaks
+    clock.advance(2.0)
+    s.handle(report("rollout", time=2.0))
+    s.handle(report("rollout", time=1.5))  # older than the latest: dropped
+    assert s.windows.stats()["rollout"].time == 2.0
+    with pytest.raises(ValueError, match="not in the graph"):
+        Scheduler(
+            graph=graph,
+            allocation=Allocation.of({"ghost": [0]}),
+            predictor=PowerLawPredictor({}),
+            cost=StaticMigrationCost(seconds={}),
+            clock=clock,
+        )

@@ -1,0 +1,228 @@
+"""Stage 2: candidate evaluation, the commit rule, and concrete device moves."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from sched_support import PowerLawPredictor, report, stats_of
+
+from dynarl.sched import (
+    CostEstimate,
+    DonorSignal,
+    HyperNode,
+    Resize,
+    SchedulerConfig,
+    StaticMigrationCost,
+    decide,
+    place,
+)
+from dynarl.types import Allocation, ComponentKind, MigrationKind
+
+ROLLOUT = HyperNode(name="rollout", kind=ComponentKind.ROLLOUT, min_devices=2)
+TRAINER = HyperNode(
+    name="trainer",
+    kind=ComponentKind.TRAINER,
+    migration=MigrationKind.P2P,
+    tp=2,
+    dp_sizes=(1, 2, 4, 8),
+    min_devices=2,
+)
+NODES = {"rollout": ROLLOUT, "trainer": TRAINER}
+COST = StaticMigrationCost(seconds={MigrationKind.WORKLOAD: 1.0, MigrationKind.P2P: 2.0})
+
+
+def tail_stats() -> dict[str, object]:
+    # Rollout is in its tail: 8 queries left, each device keeps 4 busy -> flat beyond ~2.
+    return stats_of(
+        report("rollout", remaining=8, utilization=(0.05,) * 12),
+        report("trainer", kind="trainer", remaining=1000, queue_depth=50),
+    )
+
+
+def predictor() -> PowerLawPredictor:
+    return PowerLawPredictor({"rollout": (100.0, 0.9, 4.0), "trainer": (10.0, 1.0, 0.0)})
+
+
+def allocation() -> Allocation:
+    return Allocation.of({"rollout": range(0, 12), "trainer": range(12, 16)})
+
+
+def test_tail_donor_gives_devices_to_the_trainer() -> None:
+    config = SchedulerConfig(num_devices_per_node=4)
+    decision = decide(
+        nodes=NODES,
+        allocation=allocation(),
+        free=(),
+        stats=tail_stats(),
+        donors=[DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.05)],
+        predictor=predictor(),
+        cost=COST,
+        config=config,
+        time=10.0,
+    )
+    assert decision.committed, decision.reason
+    chosen = decision.chosen
+    assert chosen is not None and chosen.donor == "rollout"
+    # Trainer reaches its largest valid size (16 devices) that rollout can free while
+    # keeping its rate; rollout keeps the minimum 2 it needs (rate flat in n).
+    assert chosen.size("trainer") in (8, 16) and chosen.size("rollout") >= 2
+    assert decision.receivers == ("trainer",)
+    assert chosen.gain_s > 0 and chosen.cost_s == 2.0
+    assert chosen.remaining_s < decision.current.remaining_s
+    assert decision.current.bottleneck == "trainer"
+    new = decision.new_allocation()
+    assert new.counts() == dict(chosen.sizes) | {n: new.count(n) for n in new.components}
+    for name, n in chosen.sizes:
+        assert new.count(name) == n
+    trainer_devices = new.devices("trainer")
+    groups = [trainer_devices[i : i + 2] for i in range(0, len(trainer_devices), 2)]
+    assert all(g[0] // 4 == g[1] // 4 for g in groups), groups
+    record = decision.to_record("d1")
+    assert record.committed and record.new_allocation == dict(chosen.sizes)
+    assert record.expected_gain_s == chosen.gain_s and record.migration_cost_s == 2.0
+    assert all(r.reason for r in record.rejected)
+
+
+def test_not_committed_when_the_cost_eats_the_gain() -> None:
+    expensive = StaticMigrationCost(seconds={MigrationKind.P2P: 1e6, MigrationKind.WORKLOAD: 1e6})
+    decision = decide(
+        nodes=NODES,
+        allocation=allocation(),
+        free=(),
+        stats=tail_stats(),
+        donors=[DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.05)],
+        predictor=predictor(),
+        cost=expensive,
+        config=SchedulerConfig(num_devices_per_node=4),
+        time=10.0,
+    )
+    assert not decision.committed and decision.moves == ()
+    assert decision.reason.startswith("rejected: not better after cost")
+    assert decision.rejected and all("not better after cost" in r.reason for r in decision.rejected)
+    assert decision.new_allocation() == allocation()
+
+
+def test_peak_memory_limits_the_trainer_growth() -> None:
+    # One replica's state is 60 GiB over tp=2 -> 30 GiB per device at dp=1; with an 80 GiB
+    # device, growing to dp=2 (old 30 + new 30 = 60) fits, but only when the sharded part
+    # keeps the new copy small enough. 100% replicated: old + new <= 80 always holds here,
+    # so shrink the device to 50 GiB: 30 + 30 > 50 -> no trainer growth is feasible.
+    heavy = HyperNode(
+        name="trainer",
+        kind=ComponentKind.TRAINER,
+        migration=MigrationKind.P2P,
+        tp=2,
+        dp_sizes=(1, 2, 4, 8),
+        min_devices=2,
+        state_bytes=60 << 30,
+    )
+    config = SchedulerConfig(num_devices_per_node=4, device_memory_bytes=50 << 30)
+    decision = decide(
+        nodes={"rollout": ROLLOUT, "trainer": heavy},
+        allocation=allocation(),
+        free=(),
+        stats=tail_stats(),
+        donors=[DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.05)],
+        predictor=predictor(),
+        cost=COST,
+        config=config,
+        time=10.0,
+    )
+    assert not decision.committed
+    roomy = SchedulerConfig(num_devices_per_node=4, device_memory_bytes=80 << 30)
+    decision = decide(
+        nodes={"rollout": ROLLOUT, "trainer": heavy},
+        allocation=allocation(),
+        free=(),
+        stats=tail_stats(),
+        donors=[DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.05)],
+        predictor=predictor(),
+        cost=COST,
+        config=roomy,
+        time=10.0,
+    )
+    assert decision.committed
+
+
+def test_free_devices_alone_are_handed_out() -> None:
+    decision = decide(
+        nodes=NODES,
+        allocation=Allocation.of({"rollout": range(0, 4), "trainer": range(4, 8)}),
+        free=tuple(range(8, 16)),
+        stats=tail_stats(),
+        donors=(),
+        predictor=predictor(),
+        cost=COST,
+        config=SchedulerConfig(num_devices_per_node=8),
+        time=0.0,
+    )
+    assert decision.committed and decision.chosen is not None
+    assert decision.chosen.donor is None
+    # Valid trainer sizes are 2, 4, 8, 16: with 4 held and 8 free, 8 is the most it gets.
+    assert decision.chosen.size("trainer") == 8 and decision.chosen.num_free == 4
+    assert all(m.src is None for m in decision.moves)
+
+
+def test_component_without_devices_and_with_work_gets_some() -> None:
+    decision = decide(
+        nodes=NODES,
+        allocation=Allocation.of({"rollout": range(0, 16)}),
+        free=(),
+        stats=tail_stats(),
+        donors=[DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.05)],
+        predictor=predictor(),
+        cost=COST,
+        config=SchedulerConfig(num_devices_per_node=8, min_gain_s=1.0),
+        time=0.0,
+    )
+    assert math.isinf(decision.current.remaining_s)
+    assert decision.committed and decision.chosen is not None
+    assert decision.chosen.size("trainer") > 0
+
+
+def test_placement_keeps_tp_groups_node_local_and_is_deterministic() -> None:
+    alloc = Allocation.of({"a": [0, 1, 2, 5, 6, 9], "b": [3, 4, 7, 8, 10, 11]})
+    nodes = {
+        "a": HyperNode(name="a", kind=ComponentKind.ROLLOUT),
+        "b": HyperNode(name="b", kind=ComponentKind.TRAINER, tp=2),
+    }
+    moves = place(alloc, (), {"a": 4, "b": 8}, nodes, devices_per_node=4)
+    assert moves == place(alloc, (), {"a": 4, "b": 8}, nodes, devices_per_node=4)
+    (move,) = moves
+    assert move.src == "a" and move.dst == "b" and len(move.devices) == 2
+    assert move.devices[0] // 4 == move.devices[1] // 4
+    # 'a' holds one device on node 2 (device 9) and two on node 0 and on node 1; to give
+    # 'b' a node-local pair it must release two devices of one node.
+    moves = place(alloc, (), {"a": 2, "b": 10}, nodes, devices_per_node=4)
+    got = sorted(d for m in moves for d in m.devices)
+    pairs = [got[i : i + 2] for i in range(0, len(got), 2)]
+    assert all(p[0] // 4 == p[1] // 4 for p in pairs)
+
+
+def test_placement_refuses_fragmented_tp_groups() -> None:
+    from dynarl.errors import SchedulingError
+
+    alloc = Allocation.of({"a": [0, 4], "b": [1, 2, 3, 5, 6, 7]})
+    nodes = {
+        "a": HyperNode(name="a", kind=ComponentKind.ROLLOUT),
+        "b": HyperNode(name="b", kind=ComponentKind.TRAINER, tp=2),
+    }
+    with pytest.raises(SchedulingError, match="inside single nodes"):
+        place(alloc, (), {"a": 0, "b": 8}, nodes, devices_per_node=4)
+
+
+def test_static_cost_model() -> None:
+    resizes = (
+        Resize(
+            component="t",
+            migration=MigrationKind.P2P,
+            old_devices=2,
+            new_devices=6,
+            tp=2,
+            state_bytes=100,
+        ),
+        Resize(component="r", migration=MigrationKind.WORKLOAD, old_devices=8, new_devices=4),
+    )
+    assert COST.estimate(resizes) == CostEstimate(seconds=2.0, bytes=200)
+    assert COST.estimate(()) == CostEstimate(seconds=0.0, bytes=0)
