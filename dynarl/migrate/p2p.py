@@ -62,7 +62,8 @@ class ShardedTrainer(Protocol):
     def allocate(self, layout: Layout, groups: LayoutGroups | None) -> Mapping[Shard, torch.Tensor]:
         """Create this rank's state for ``layout`` next to the current one (model built on
         ``groups``, optimizer state) and return views of its shards; must not modify the
-        current state. ``groups`` is None on ranks outside the new layout (return {})."""
+        current state. Touch the memory (zeros): first-touch page faults would otherwise
+        land in the pause. ``groups`` is None on ranks outside the new layout (return {})."""
         ...
 
     def commit(self, layout: Layout) -> None:

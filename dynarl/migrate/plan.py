@@ -23,7 +23,7 @@ import heapq
 import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dynarl.migrate.region import (
     Box,
@@ -77,13 +77,15 @@ class ReshardPlan:
     """Bytes copied within a rank."""
     max_rank_send_bytes: int
     """Bytes sent by the busiest sending rank."""
+    by_name: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
+    """``tensors`` by name (derived)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_name", {t.name: t for t in self.tensors})
 
     def spec(self, name: str) -> TensorSpec:
         """The spec of tensor ``name``; raises KeyError if the plan does not touch it."""
-        for spec in self.tensors:
-            if spec.name == name:
-                return spec
-        raise KeyError(name)
+        return self.by_name[name]
 
     def item_bytes(self, item: Transfer) -> int:
         """Bytes carried by ``item``."""
