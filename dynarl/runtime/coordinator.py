@@ -121,8 +121,12 @@ class Coordinator:
             command = await self._queue.get()
             self._outcomes(await self.execute(command))
 
-    async def execute(self, command: MigrationCommand) -> MoveOutcome:
-        """Carry ``command`` out; returns how it ended (never raises for a failed move)."""
+    async def execute(
+        self, command: MigrationCommand, *, lease_s: float | None = None
+    ) -> MoveOutcome:
+        """Carry ``command`` out, each migration under a lease of ``lease_s`` seconds
+        (default ``RuntimeConfig.lease_s``); returns how it ended (never raises for a
+        failed move)."""
         async with self._lock:
             if command.decision_id in self._done:
                 return self._done[command.decision_id]
@@ -132,21 +136,22 @@ class Coordinator:
                 moves = plan_moves(command, self._specs, self._sleeping)
             except ValueError as exc:
                 return self._end(command, False, str(exc), [])
-            drivers = [self._driver(command.decision_id, move) for move in moves]
+            lease = lease_s if lease_s is not None else self._config.lease_s
+            drivers = [self._driver(command.decision_id, move, lease) for move in moves]
             names = sorted({move.component for move in moves})
             async with contextlib.AsyncExitStack() as stack:
                 for name in names:
                     await stack.enter_async_context(self._managers[name].lock)
                 return await self._carry_out(command, drivers)
 
-    def _driver(self, decision_id: str, move: ComponentMove) -> Driver:
+    def _driver(self, decision_id: str, move: ComponentMove, lease_s: float) -> Driver:
         if move.kind is not MigrationKind.WORKLOAD:
             self.epoch += 1
         return driver_for(
             move,
             self._managers[move.component],
             migration_id=f"{decision_id}-{move.component}",
-            lease_s=self._config.lease_s,
+            lease_s=lease_s,
             faults=self.faults,
             epoch=self.epoch,
         )

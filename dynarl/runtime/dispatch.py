@@ -398,6 +398,7 @@ def _final_sample(pending: _Pending, result: Sample | None) -> Sample:
         logprobs += result.logprobs
         meta.update(result.metadata)
         reward, version = result.reward, result.policy_version
+    meta.pop(PROMPT_LEN, None)
     meta[RESUMED] = pending.resumed
     return Sample(
         sample_id=original.sample_id,

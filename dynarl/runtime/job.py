@@ -252,16 +252,24 @@ class Job:
 
     # ------------------------------------------------------------------ moves
 
-    async def move(self, devices: Sequence[int], *, src: str, dst: str) -> MoveOutcome:
-        """Move ``devices`` from ``src`` to ``dst`` now (an operator's move).
+    async def move(
+        self, devices: Sequence[int], *, src: str, dst: str, lease_s: float | None = None
+    ) -> MoveOutcome:
+        """Move ``devices`` from ``src`` to ``dst`` now (an operator's move), each
+        migration under a lease of ``lease_s`` seconds (default: the configured one).
 
         Returns its outcome (``ok`` False after a rollback); raises ValueError when
         ``src`` does not hold the devices.
         """
         current = self.allocation
-        return await self.reallocate(current.move(devices, src, dst))
+        return await self.reallocate(current.move(devices, src, dst), lease_s=lease_s)
 
-    async def reallocate(self, allocation: Allocation | Mapping[str, Sequence[int]]) -> MoveOutcome:
+    async def reallocate(
+        self,
+        allocation: Allocation | Mapping[str, Sequence[int]],
+        *,
+        lease_s: float | None = None,
+    ) -> MoveOutcome:
         """Move to ``allocation`` now (every changed component migrates); its outcome."""
         new = allocation if isinstance(allocation, Allocation) else Allocation.of(allocation)
         old = self.allocation
@@ -277,7 +285,7 @@ class Job:
             new_allocation=new,
             moves=moves,
         )
-        outcome = await self._controller.coordinator.execute(command)
+        outcome = await self._controller.coordinator.execute(command, lease_s=lease_s)
         self._controller.post(outcome)
         return outcome
 
