@@ -40,6 +40,7 @@ __all__: list[str] = [
     "FakeSGLangConfig",
     "FakeSGLangServer",
     "ScriptedRollout",
+    "ShadowTrainer",
     "TinyState",
     "TinyTrainer",
     "message_strategy",
@@ -375,6 +376,12 @@ class TinyTrainer(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer"):
         self._state = TinyState(self.ctx.options, layout, self.ctx.device)
         self._state.initialise()
 
+    async def close(self) -> None:
+        """Free the state and the layout's groups (teardown)."""
+        groups, self._groups, self._state = self._groups, None, None
+        if groups is not None:
+            await self.ctx.compute(groups.close)
+
     def _all_reduce(self) -> AllReduce:
         assert self._groups is not None
         group = self._groups.groups["dp"].pg
@@ -431,3 +438,7 @@ class TinyTrainer(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer"):
         """The digest of the whole state (the same on every rank, for every layout)."""
         assert self._state is not None
         return self._state.digest(self._all_reduce())
+
+
+class ShadowTrainer(TinyTrainer, name="shadow"):
+    """A second :class:`TinyTrainer` component (named ``shadow``) for jobs that need two."""

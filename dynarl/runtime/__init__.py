@@ -37,7 +37,6 @@ from dynarl.runtime.role import (
 from dynarl.runtime.shardfile import load_shards, save_shards
 from dynarl.runtime.spec import ComponentSpec, RuntimeConfig
 from dynarl.runtime.wire import CallResult
-from dynarl.runtime.worker import run_worker
 
 __all__ = [
     "CallResult",
@@ -69,6 +68,5 @@ __all__ = [
     "WorkerOptions",
     "load_shards",
     "plan_moves",
-    "run_worker",
     "save_shards",
 ]

@@ -179,14 +179,14 @@ class Controller:
         group, self._group = self._group, None
         if group is None:
             return
+        self._stop.set()
+        self._events.put_nowait(None)
+        for task in self._tasks:
+            task.cancel()
         try:
+            await group.__aexit__(None, None, None)
             await self._shutdown_workers()
         finally:
-            self._stop.set()
-            self._events.put_nowait(None)
-            for task in self._tasks:
-                task.cancel()
-            await group.__aexit__(None, None, None)
             for manager in self.managers.values():
                 await manager.aclose()
             await self.publisher.aclose()

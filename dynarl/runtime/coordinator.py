@@ -145,16 +145,19 @@ class Coordinator:
                 return await self._carry_out(command, drivers)
 
     def _driver(self, decision_id: str, move: ComponentMove, lease_s: float) -> Driver:
-        if move.kind is not MigrationKind.WORKLOAD:
-            self.epoch += 1
         return driver_for(
             move,
             self._managers[move.component],
             migration_id=f"{decision_id}-{move.component}",
             lease_s=lease_s,
             faults=self.faults,
-            epoch=self.epoch,
+            epochs=self.next_epoch,
         )
+
+    def next_epoch(self) -> int:
+        """A layout epoch never handed out before (names the groups of a new layout)."""
+        self.epoch += 1
+        return self.epoch
 
     async def _carry_out(self, command: MigrationCommand, drivers: list[Driver]) -> MoveOutcome:
         started: list[Driver] = []

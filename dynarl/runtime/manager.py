@@ -258,9 +258,12 @@ class GroupManager:
 
     # ------------------------------------------------------------------ reboot host
 
-    def reboot_host(self, migration_id: str, *, epoch: int, in_place: bool) -> RebootRoles:
-        """The migrate ``RebootHost`` of one reboot of this component."""
-        return RebootRoles(self, migration_id=migration_id, epoch=epoch, in_place=in_place)
+    def reboot_host(
+        self, migration_id: str, *, epochs: Callable[[], int], in_place: bool
+    ) -> RebootRoles:
+        """The migrate ``RebootHost`` of one reboot of this component (``epochs`` hands
+        out a fresh layout epoch for every start)."""
+        return RebootRoles(self, migration_id=migration_id, epochs=epochs, in_place=in_place)
 
 
 class RebootRoles:
@@ -272,14 +275,15 @@ class RebootRoles:
     """
 
     def __init__(
-        self, manager: GroupManager, *, migration_id: str, epoch: int, in_place: bool
+        self,
+        manager: GroupManager,
+        *,
+        migration_id: str,
+        epochs: Callable[[], int],
+        in_place: bool,
     ) -> None:
-        self._manager, self._id, self._epoch, self._in_place = (
-            manager,
-            migration_id,
-            epoch,
-            in_place,
-        )
+        self._manager, self._id, self._in_place = manager, migration_id, in_place
+        self._epochs = epochs
         self.running: tuple[int, ...] = manager.devices
 
     async def save(self) -> str:
@@ -302,7 +306,7 @@ class RebootRoles:
     async def start(self, resources: Sequence[int]) -> None:
         """Start (or wake, in place) the roles on ``resources``."""
         if resources:
-            await self._manager.activate(resources, epoch=self._epoch)
+            await self._manager.activate(resources, epoch=self._epochs())
         self.running = tuple(sorted(resources))
 
     async def load(self, checkpoint: str) -> None:

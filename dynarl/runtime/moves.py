@@ -76,10 +76,10 @@ class Driver:
         migration_id: str,
         lease_s: float,
         faults: FaultInjector,
-        epoch: int = 0,
+        epochs: Callable[[], int],
     ) -> None:
         self.move, self.manager, self.migration_id = move, manager, migration_id
-        self.faults, self.epoch = faults, epoch
+        self.faults, self.epochs = faults, epochs
         self.lease_s = lease_s
         self.deadline = time.monotonic() + lease_s
         self.pause_s = 0.0
@@ -160,6 +160,8 @@ class WorkloadMove(Driver):
         self._dispatcher = dispatcher
         self.paused_at: float | None = None
         self._grown = False
+        self._drained: list[PartialRequest] = []
+        self._parked = False
         host = _FaultyHost(self, dispatcher)
         remaining = tuple(d for d in self.move.dst)
         self._workload: WorkloadMigration | None = None
@@ -201,8 +203,7 @@ class WorkloadMove(Driver):
 
     async def _park(self) -> Outcome | None:
         """Shrink to nothing: drained continuations wait in the dispatcher."""
-        donors = self.move.removed
-        drained: list[PartialRequest] = []
+        donors, drained = self.move.removed, self._drained
 
         async def drain() -> str:
             drained.extend(await self._host.abort_inflight(donors))
@@ -214,6 +215,7 @@ class WorkloadMove(Driver):
 
         async def park() -> str:
             await self._host.redispatch(drained, ())
+            self._parked = True
             return ""
 
         async def release() -> str:
@@ -247,6 +249,8 @@ class WorkloadMove(Driver):
 
             async def resume() -> str:
                 await self._host.resume(self.move.removed)
+                if not self._parked:  # drained, never handed back: they must not be lost
+                    await self._dispatcher.redispatch(self._drained, self.move.removed)
                 return ""
 
             outcome = await self._machine.step(Step.ROLLBACK, resume)
@@ -260,6 +264,7 @@ class P2PMove(Driver):
 
     def __init__(self, move: ComponentMove, manager: GroupManager, **kwargs: Any) -> None:
         super().__init__(move, manager, **kwargs)
+        self.epoch = self.epochs()
         self._machine = _Machine(self.migration_id, MigrationKind.P2P, self.lease_s)
         self._began = 0.0
 
@@ -342,7 +347,7 @@ class RebootMove(Driver):
     def __init__(self, move: ComponentMove, manager: GroupManager, **kwargs: Any) -> None:
         super().__init__(move, manager, **kwargs)
         roles = self.manager.reboot_host(
-            self.migration_id, epoch=self.epoch, in_place=self.move.in_place
+            self.migration_id, epochs=self.epochs, in_place=self.move.in_place
         )
         self._roles = roles
         host = _FaultyReboot(self, roles)
@@ -425,7 +430,7 @@ def driver_for(
     migration_id: str,
     lease_s: float,
     faults: FaultInjector,
-    epoch: int,
+    epochs: Callable[[], int],
 ) -> Driver:
     """The driver of ``move``'s kind."""
     kinds: dict[MigrationKind, type[Driver]] = {
@@ -434,5 +439,5 @@ def driver_for(
         MigrationKind.REBOOT: RebootMove,
     }
     return kinds[move.kind](
-        move, manager, migration_id=migration_id, lease_s=lease_s, faults=faults, epoch=epoch
+        move, manager, migration_id=migration_id, lease_s=lease_s, faults=faults, epochs=epochs
     )

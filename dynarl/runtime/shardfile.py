@@ -60,8 +60,8 @@ def load_shards(
             saved[Shard(tensor=name, rank=rank, region=region)] = data
     if not views:
         return 0
-    needed = {name: tensors[name] for name in {shard.tensor for shard in views}}
-    plan = plan_reshard(needed, tuple(saved), tuple(views))
+    sources = tuple(shard for shard in saved if shard.tensor in tensors)
+    plan = plan_reshard(tensors, sources, tuple(views))
     by_tensor: dict[tuple[str, int], list[Shard]] = {}
     for shard in saved:
         by_tensor.setdefault((shard.tensor, shard.rank), []).append(shard)
