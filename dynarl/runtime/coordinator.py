@@ -30,8 +30,10 @@ from dynarl.bus.records import MigrationRecord
 from dynarl.runtime.cost import PlannerCost
 from dynarl.runtime.faults import FaultInjector
 from dynarl.runtime.manager import GroupManager
-from dynarl.runtime.moves import ComponentMove, Driver, driver_for
+from dynarl.runtime.moves import ComponentMove, Driver, P2PMove
+from dynarl.runtime.reboot import RebootMove
 from dynarl.runtime.spec import ComponentSpec, RuntimeConfig
+from dynarl.runtime.workload import WorkloadMove
 from dynarl.sched.events import Clock, MigrationCommand, MoveOutcome
 from dynarl.types import Allocation, MigrationKind
 
@@ -145,7 +147,12 @@ class Coordinator:
                 return await self._carry_out(command, drivers)
 
     def _driver(self, decision_id: str, move: ComponentMove, lease_s: float) -> Driver:
-        return driver_for(
+        kinds: dict[MigrationKind, type[Driver]] = {
+            MigrationKind.WORKLOAD: WorkloadMove,
+            MigrationKind.P2P: P2PMove,
+            MigrationKind.REBOOT: RebootMove,
+        }
+        return kinds[move.kind](
             move,
             self._managers[move.component],
             migration_id=f"{decision_id}-{move.component}",

@@ -22,26 +22,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import msgspec
-
-from dynarl.bus.messages import GenerationRequest, MetaValue, Sample, pack_tokens, unpack_tokens
+from dynarl.bus.messages import Sample
 from dynarl.errors import BusError, PeerLostError, WorkerError
 from dynarl.migrate.workload import PartialRequest
 from dynarl.runtime.link import WorkerLink
-from dynarl.runtime.wire import FINISH, PROMPT_LEN, RESUMED, AbortInflight, Done
-from dynarl.sched.graph import Affinity
+from dynarl.runtime.progress import Item, Progress
+from dynarl.runtime.wire import AbortInflight, Done
 from dynarl.sched.requests import RequestPolicy
-from dynarl.sched.router import DataRouter, RoutedItem
+from dynarl.sched.router import DataRouter
 
-__all__ = ["Dispatcher", "Item", "WorkerRoles"]
+__all__ = ["Dispatcher", "WorkerRoles"]
 
 logger = logging.getLogger(__name__)
 
-Item = GenerationRequest | Sample
-"""What a serving component takes."""
 Sink = Callable[[Sample], Coroutine[Any, Any, None]]
 
 _MAX_FAILURES = 3
@@ -57,17 +52,6 @@ class WorkerRoles(Protocol):
     async def release(self, devices: Sequence[int]) -> None:
         """Stop it there and free its memory (asleep or torn down)."""
         ...
-
-
-@dataclass(slots=True)
-class _Pending:
-    original: Item
-    routed: RoutedItem
-    generated: list[int] = field(default_factory=list)
-    logprobs: bytes = b""
-    resumed: int = 0
-    failures: int = 0
-    worker: int | None = None
 
 
 class Dispatcher:
@@ -92,7 +76,7 @@ class Dispatcher:
         self.max_inflight = max_inflight
         self.item_timeout_s, self.drain_timeout_s = item_timeout_s, drain_timeout_s
         self.router = DataRouter((), policy=policy)
-        self._items: dict[str, _Pending] = {}
+        self._items: dict[str, Progress] = {}
         self._parked: list[str] = []
         self._inflight: dict[int, set[str]] = {}
         self._draining: set[int] = set()
@@ -147,12 +131,12 @@ class Dispatcher:
 
         Raises ValueError for an id already in the dispatcher or repeated in ``items``.
         """
-        ids = [_item_id(item) for item in items]
+        ids = [item.sample_id for item in items]
         clash = {i for i in ids if i in self._items or ids.count(i) > 1}
         if clash:
             raise ValueError(f"{self.component}: items {sorted(clash)[:5]} are already submitted")
         for item, item_id in zip(items, ids, strict=True):
-            self._items[item_id] = _Pending(original=item, routed=_routed(item_id, item))
+            self._items[item_id] = Progress(original=item)
         self._route(ids)
 
     # ------------------------------------------------------------------ routing
@@ -178,7 +162,6 @@ class Dispatcher:
             running = self._inflight.setdefault(worker, set())
             for queued in self.router.priority_schedule(worker, self.max_inflight - len(running)):
                 running.add(queued.request_id)
-                self._items[queued.request_id].worker = worker
                 self._spawn(self._send(worker, queued.request_id))
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
@@ -192,19 +175,18 @@ class Dispatcher:
         result: Sample | Exception
         try:
             result = await self._link.serve(
-                worker, _next_request(pending), deadline_s=self.item_timeout_s
+                worker, pending.next_request(), deadline_s=self.item_timeout_s
             )
         except (BusError, WorkerError) as exc:
             result = exc
         self._inflight.get(worker, set()).discard(item_id)
         self.router.done(worker, item_id)
-        pending.worker = None
         self._changed.set()
         if isinstance(result, Exception):
             self._failed(worker, item_id, result)
             self._pump()
             return
-        final = _absorb(pending, result)
+        final = pending.absorb(result)
         if final is not None:
             del self._items[item_id]
             self.num_delivered += 1
@@ -235,11 +217,9 @@ class Dispatcher:
             self._route([item_id])
 
     def _fail_item(self, item_id: str, why: str) -> None:
-        pending = self._items.pop(item_id)
-        sample = _final_sample(pending, None)
-        meta = {**sample.metadata, FINISH: "error", "error": why[:200]}
+        sample = self._items.pop(item_id).failed(why)
         self.num_delivered += 1
-        self._spawn(self._output(_with_metadata(sample, meta)))
+        self._spawn(self._output(sample))
 
     # ------------------------------------------------------------------ WorkloadHost
 
@@ -265,7 +245,7 @@ class Dispatcher:
                 self._changed.clear()
                 await self._changed.wait()
         return [
-            _partial(item_id, self._items[item_id], worker)
+            self._items[item_id].partial(worker)
             for worker in workers
             for item_id in self._drained.pop(worker, [])
         ]
@@ -274,7 +254,7 @@ class Dispatcher:
         """Route the drained ``requests`` to ``workers`` (parked if there is none)."""
         for request in requests:
             pending = self._items[request.request_id]
-            pending.routed = _keep_context(pending.routed, request)
+            pending.continue_elsewhere()
             self.num_resumed += 1
         allowed = set(workers) & set(self.router.workers)
         if allowed != set(self.router.workers):
@@ -294,123 +274,3 @@ class Dispatcher:
         for worker in workers:
             self.add_worker(worker)
         self._pump()
-
-
-# ---------------------------------------------------------------------- item helpers
-
-
-def _item_id(item: Item) -> str:
-    return item.sample_id
-
-
-def _routed(item_id: str, item: Item) -> RoutedItem:
-    meta = item.metadata
-    affinity = str(meta.get("affinity", "none"))
-    return RoutedItem(
-        item_id=item_id,
-        episode=str(meta.get("episode", item.prompt_id or item_id)),
-        affinity=Affinity(affinity) if affinity in Affinity.__members__.values() else Affinity.NONE,
-        status=_int(meta.get("tool_calls")),
-        cached_prefix=_int(meta.get("cached_prefix")),
-    )
-
-
-def _int(value: MetaValue) -> int:
-    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0
-
-
-def _keep_context(routed: RoutedItem, request: PartialRequest) -> RoutedItem:
-    # The donor worker is gone: a "must" affinity can only become a preference now.
-    affinity = Affinity.PREFER if routed.affinity is Affinity.MUST else routed.affinity
-    return RoutedItem(
-        item_id=routed.item_id,
-        episode=routed.episode,
-        affinity=affinity,
-        status=routed.status,
-        cached_prefix=0,
-        attained_service=float(len(request.generated)),
-    )
-
-
-def _partial(item_id: str, pending: _Pending, worker: int) -> PartialRequest:
-    prompt: tuple[int, ...] = ()
-    if isinstance(pending.original, GenerationRequest):
-        prompt = tuple(int(t) for t in unpack_tokens(pending.original.token_ids))
-    return PartialRequest(
-        request_id=item_id,
-        prompt=prompt,
-        generated=tuple(pending.generated),
-        priority=(float(pending.routed.status), float(pending.routed.cached_prefix)),
-        affinity=str(pending.routed.affinity),
-        affinity_worker=worker,
-    )
-
-
-def _next_request(pending: _Pending) -> Item:
-    """What to send next: the original, or its continuation after a partial output."""
-    original = pending.original
-    if not isinstance(original, GenerationRequest) or not pending.resumed:
-        return original
-    prompt = unpack_tokens(original.token_ids)
-    tokens = [*prompt.tolist(), *pending.generated]
-    meta = {**original.metadata, PROMPT_LEN: len(prompt), RESUMED: pending.resumed}
-    return GenerationRequest(
-        sample_id=original.sample_id,
-        token_ids=pack_tokens(tokens),
-        max_new_tokens=original.max_new_tokens - len(pending.generated),
-        prompt_id=original.prompt_id,
-        temperature=original.temperature,
-        top_p=original.top_p,
-        seed=original.seed,
-        priority=original.priority,
-        metadata=meta,
-    )
-
-
-def _absorb(pending: _Pending, result: Sample) -> Sample | None:
-    """Fold a worker's result into the item; the final sample, or None if it continues."""
-    if result.metadata.get(FINISH) != "abort":
-        return _final_sample(pending, result)
-    original = pending.original
-    if not isinstance(original, GenerationRequest):
-        return None  # nothing partial to keep: the original item runs again
-    tokens = unpack_tokens(result.token_ids)[result.prompt_len :]
-    pending.generated.extend(int(t) for t in tokens)
-    pending.logprobs += result.logprobs
-    pending.resumed += 1
-    if len(pending.generated) >= original.max_new_tokens:
-        final = _final_sample(pending, None)
-        return _with_metadata(final, {**result.metadata, **final.metadata, FINISH: "length"})
-    return None
-
-
-def _final_sample(pending: _Pending, result: Sample | None) -> Sample:
-    original = pending.original
-    if not isinstance(original, GenerationRequest):
-        return result if result is not None else original
-    prompt = unpack_tokens(original.token_ids)
-    generated = list(pending.generated)
-    logprobs = pending.logprobs
-    meta: dict[str, MetaValue] = dict(original.metadata)
-    reward, version = None, 0
-    if result is not None:
-        generated += unpack_tokens(result.token_ids)[result.prompt_len :].tolist()
-        logprobs += result.logprobs
-        meta.update(result.metadata)
-        reward, version = result.reward, result.policy_version
-    meta.pop(PROMPT_LEN, None)
-    meta[RESUMED] = pending.resumed
-    return Sample(
-        sample_id=original.sample_id,
-        token_ids=pack_tokens([*prompt.tolist(), *generated]),
-        prompt_len=len(prompt),
-        prompt_id=original.prompt_id,
-        reward=reward,
-        logprobs=logprobs,
-        policy_version=version,
-        metadata=meta,
-    )
-
-
-def _with_metadata(sample: Sample, metadata: dict[str, MetaValue]) -> Sample:
-    return msgspec.structs.replace(sample, metadata=metadata)

@@ -34,10 +34,10 @@ from dynarl.bus.messages import MetaValue, Sample
 from dynarl.errors import WorkerError
 from dynarl.runtime.controller import Controller
 from dynarl.runtime.coordinator import Journal
-from dynarl.runtime.dispatch import Item
 from dynarl.runtime.faults import FaultInjector
 from dynarl.runtime.launcher import LocalLauncher
 from dynarl.runtime.options import WorkerOptions
+from dynarl.runtime.progress import Item
 from dynarl.runtime.spec import ComponentSpec, RuntimeConfig
 from dynarl.runtime.wire import CallResult
 from dynarl.sched.decision import DeviceMove
