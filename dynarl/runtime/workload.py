@@ -104,6 +104,11 @@ class WorkloadMove(Driver):
                     return outcome
         elif self.move.removed:
             return await self._park()
+        else:  # a pure grow: nothing to drain, the steps only keep the log complete
+            for step in (Step.STOP_ROUTING, Step.DRAIN, Step.REDISPATCH, Step.RELEASE):
+                outcome = await self._machine.step(step, nothing)
+                if not outcome.ok:
+                    return outcome
         return None
 
     async def _park(self) -> Outcome | None:

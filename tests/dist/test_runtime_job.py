@@ -174,10 +174,13 @@ def test_each_migration_kind_commits_and_failures_roll_back(tmp_path: Path) -> N
             await move("failure", [1], "shadow", "trainer")
             job.faults.arm(Fault(phase="p2p.verify", action=FaultAction.STALL))
             await move("lease", [1], "shadow", "trainer", lease_s=5.0)
+            await move("reboot+grow", [1], "shadow", "rollout")
             job.submit("rollout", second)
             await asyncio.sleep(0.5)
             job.faults.arm(Fault(phase="workload.redispatch"))
             await move("drain failure", [0], "rollout", "trainer")
+            job.faults.arm(Fault(phase="workload.release"))
+            await move("park failure", [0, 1], "rollout", "trainer")
             out = job.output("rollout")
             samples = [await out.get(timeout=60) for _ in first + second]
             assert job.controller.server.channels.sizes()[("rollout", "")] == 0
@@ -200,11 +203,16 @@ def test_each_migration_kind_commits_and_failures_roll_back(tmp_path: Path) -> N
         assert not ok and {state for _, _, state in records} == {"rolled_back"}, (name, reason)
     assert "injected failure" in outcomes["failure"][1]
     assert "lease expired" in outcomes["lease"][1]
-    ok, reason, records = outcomes["drain failure"]
-    assert not ok and records == [("rollout", "workload", "rolled_back")] and "redispatch" in reason
+    assert outcomes["reboot+grow"][2] == [
+        ("shadow", "reboot", "committed"),
+        ("rollout", "workload", "committed"),
+    ]
+    for name, step in (("drain failure", "redispatch"), ("park failure", "release")):
+        ok, reason, records = outcomes[name]
+        assert not ok and records == [("rollout", "workload", "rolled_back")] and step in reason
     # Every state survived every move and every rollback, on every rank.
     for name, pair in sums.items():
         assert pair == sums["start"] and all(len(s) == 1 for s in pair), name
-    assert job.allocation.as_dict() == {"rollout": [0], "shadow": [1, 3], "trainer": [2]}
+    assert job.allocation.as_dict() == {"rollout": [0, 1], "shadow": [3], "trainer": [2]}
     recorded = job.ledger.query(kind="migration")
-    assert len(recorded) == 9 and all(isinstance(r, MigrationRecord) for r in recorded)
+    assert len(recorded) == 12 and all(isinstance(r, MigrationRecord) for r in recorded)
