@@ -105,8 +105,8 @@ class WorkloadMove(Driver):
         elif self.move.removed:
             return await self._park()
         else:  # a pure grow: nothing to drain, the steps only keep the log complete
-            for step in (Step.STOP_ROUTING, Step.DRAIN, Step.REDISPATCH, Step.RELEASE):
-                outcome = await self._machine.step(step, nothing)
+            for name in (Step.STOP_ROUTING, Step.DRAIN, Step.REDISPATCH, Step.RELEASE):
+                outcome = await self._machine.step(name, nothing)
                 if not outcome.ok:
                     return outcome
         return None
