@@ -79,9 +79,11 @@ class SimRequest:
     """Admission count (stale heap entries are recognised by it)."""
 
     @property
-    def cache_key(self) -> int:
+    def cache_key(self) -> tuple[int, int, int]:
         """The prefix it can reuse: its episode's context, or (turn 0) its group's prompt."""
-        return self.sample if self.turn > 0 else -(self.group + 1)
+        return (
+            (1, self.iteration, self.sample) if self.turn > 0 else (0, self.iteration, self.group)
+        )
 
 
 class Engine:
@@ -111,8 +113,8 @@ class Engine:
         self.kv_base = 0.0
         self.queue = RequestQueue(policy)
         self.waiting: dict[str, SimRequest] = {}
-        self._waiting_by_key: dict[int, str] = {}
-        self.cache: OrderedDict[int, int] = OrderedDict()
+        self._waiting_by_key: dict[tuple[int, int, int], str] = {}
+        self.cache: OrderedDict[tuple[int, int, int], int] = OrderedDict()
         self.cached_tokens = 0
         self._ratio_start = spec.new_token_ratio
         self._ratio_g = 0.0
@@ -215,7 +217,7 @@ class Engine:
             finished.append(req)
             self.completed += 1
             if req.cache_after:
-                self._cache_put(req.sample, req.prompt + req.target)
+                self._cache_put((1, req.iteration, req.sample), req.prompt + req.target)
         if not running:
             self.kv_base = 0.0
         return finished
@@ -270,7 +272,7 @@ class Engine:
         )
         self.waiting[key] = req
         if req.turn:
-            self._waiting_by_key[req.sample] = key
+            self._waiting_by_key[req.cache_key] = key
 
     def _step(self, now: float) -> None:
         if self.alive:
@@ -297,8 +299,8 @@ class Engine:
                 break
             queue.pop()
             del waiting[head.request_id]
-            if req.turn and self._waiting_by_key.get(req.sample) == head.request_id:
-                del self._waiting_by_key[req.sample]
+            if req.turn and self._waiting_by_key.get(req.cache_key) == head.request_id:
+                del self._waiting_by_key[req.cache_key]
             self._take_cache(req, hit)
             req.epoch += 1
             req.g0 = self.g - req.done
@@ -320,12 +322,12 @@ class Engine:
             if req.turn == 0:
                 self._cache_put(key, req.prompt)
             return
-        if key >= 0:  # an episode's context becomes running KV
+        if key[0] == 1:  # an episode's context becomes running KV
             self.cached_tokens -= self.cache.pop(key)
         else:
             self.cache.move_to_end(key)
 
-    def _cache_put(self, key: int, tokens: int) -> None:
+    def _cache_put(self, key: tuple[int, int, int], tokens: int) -> None:
         old = self.cache.pop(key, None)
         if old is not None:
             self.cached_tokens -= old

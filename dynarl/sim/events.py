@@ -147,7 +147,10 @@ class Task:
         if not isinstance(wait, Wait):
             self._coro.close()
             raise DynarlError(f"task {self.name} awaited {wait!r}, not a simulator Wait")
-        wait._waiter = lambda: self.loop.at(self.loop.now, self._step)
+        wait._waiter = self._resume
+
+    def _resume(self) -> None:
+        self.loop.at(self.loop.now, self._step)
 
     def cancel(self) -> None:
         """Close the coroutine (it is not resumed again)."""

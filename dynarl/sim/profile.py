@@ -90,7 +90,7 @@ class TimeCurve:
         """Predicted seconds on ``n`` GPUs."""
         c = self.coefficients
         if self.family == "power":
-            return c[0] * n ** c[1]
+            return float(c[0] * n ** c[1])
         if self.family == "exponential":
             return c[0] * math.exp(c[1] * n)
         if self.family == "log":

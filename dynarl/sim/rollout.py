@@ -60,7 +60,9 @@ class Rollout:
         loop: EventLoop,
         policy: Callable[[], RequestPolicy],
         on_sample_done: Callable[[int, int], None],
+        on_samples_done: object = None,
     ) -> None:
+        del on_samples_done  # finished samples are announced one by one, at their time
         self.workload = workload
         self.spec = workload.rollout
         self.loop = loop
@@ -105,9 +107,9 @@ class Rollout:
             engine.routable = routable
             self.engines[engine.index] = engine
             new.append(engine)
-        routable = [e for e in new if e.routable]
-        if new and routable:
-            self._rebalance_onto(new)
+        joining = [e for e in new if e.routable]
+        if joining:
+            self._rebalance_onto(joining)
         return new
 
     def _rebalance_onto(self, new: list[Engine]) -> None:

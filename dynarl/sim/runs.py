@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from dynarl.sched import FifoPolicy
 from dynarl.sim.policies import POLICY_NAMES, DynarlPolicy, make_policy
 from dynarl.sim.report import RunResult
 from dynarl.sim.simulator import Simulation
+from dynarl.sim.vector import VectorRollout
 from dynarl.sim.workload import Workload, with_overrides
 
 __all__ = ["compare", "run_policy", "sweep"]
@@ -22,11 +24,15 @@ __all__ = ["compare", "run_policy", "sweep"]
 logger = logging.getLogger(__name__)
 
 
-def run_policy(workload: Workload, policy: str) -> RunResult:
-    """Simulate ``policy`` on ``workload``; raises ValueError for an unknown policy."""
+def run_policy(workload: Workload, policy: str, *, vector: bool = False) -> RunResult:
+    """Simulate ``policy`` on ``workload``; raises ValueError for an unknown policy.
+
+    ``vector`` runs rollout on the vectorised per-engine model (math workloads, FIFO).
+    """
     chosen = make_policy(policy)
     request = chosen.request_policy if isinstance(chosen, DynarlPolicy) else FifoPolicy
-    sim = Simulation(workload, request_policy=request)
+    factory = VectorRollout if vector else None
+    sim = Simulation(workload, request_policy=request, rollout_factory=factory)
     result = sim.run(chosen)
     if isinstance(chosen, DynarlPolicy) and chosen.scheduler is not None:
         decisions = len(chosen.scheduler.ledger.query(kind="decision"))
@@ -36,22 +42,27 @@ def run_policy(workload: Workload, policy: str) -> RunResult:
 
 
 def _with_decisions(result: RunResult, decisions: int) -> RunResult:
-    from dataclasses import replace
-
     return replace(result, num_decisions=decisions)
 
 
-def compare(workload: Workload, policies: Sequence[str] = POLICY_NAMES) -> list[RunResult]:
+def compare(
+    workload: Workload, policies: Sequence[str] = POLICY_NAMES, *, vector: bool = False
+) -> list[RunResult]:
     """Every policy in ``policies`` on the same trace, in order."""
-    return [run_policy(workload, name) for name in policies]
+    return [run_policy(workload, name, vector=vector) for name in policies]
 
 
 def sweep(
-    workload: Workload, key: str, values: Sequence[object], policy: str = "dynarl"
+    workload: Workload,
+    key: str,
+    values: Sequence[object],
+    policy: str = "dynarl",
+    *,
+    vector: bool = False,
 ) -> dict[object, RunResult]:
     """``policy`` with ``key`` set to each of ``values`` (see :func:`with_overrides`)."""
     out = {}
     for value in values:
         changed: Mapping[str, object] = {key: value}
-        out[value] = run_policy(with_overrides(workload, changed), policy)
+        out[value] = run_policy(with_overrides(workload, changed), policy, vector=vector)
     return out

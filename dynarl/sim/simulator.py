@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from dynarl.bus import ComponentReport
 from dynarl.errors import DynarlError
@@ -35,12 +36,78 @@ from dynarl.sim.trace import IterationTrace, build_trace
 from dynarl.sim.workload import Workload
 from dynarl.types import Allocation, ComponentKind, MigrationKind
 
-__all__ = ["COMPONENTS", "SimPolicy", "Simulation", "build_nodes"]
+__all__ = ["COMPONENTS", "EngineView", "RolloutModel", "SimPolicy", "Simulation", "build_nodes"]
 
 logger = logging.getLogger(__name__)
 
 COMPONENTS = ("rollout", "inference", "trainer")
 """The simulated components."""
+
+
+class EngineView(Protocol):
+    """What policies may read of one rollout engine."""
+
+    @property
+    def index(self) -> int:
+        """Engine index (engines started earlier have lower ones)."""
+        ...
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Its devices."""
+        ...
+
+    @property
+    def load(self) -> int:
+        """Requests running or waiting on it."""
+        ...
+
+
+class RolloutModel(Protocol):
+    """The rollout component as the simulator drives it (per-request or vectorised)."""
+
+    @property
+    def engines(self) -> Mapping[int, EngineView]:
+        """Live engines by index."""
+        ...
+
+    @property
+    def pending(self) -> Sequence[object]:
+        """Requests waiting for any engine."""
+        ...
+
+    @property
+    def unfinished(self) -> int:
+        """Samples started and not finished."""
+        ...
+
+    def add_devices(self, devices: Iterable[int], *, routable: bool = True) -> Sequence[object]:
+        """Start engines on ``devices``."""
+        ...
+
+    def remove_devices(self, devices: Iterable[int]) -> list[tuple[int, ...]]:
+        """Abort the engines on ``devices``; returns leftover device groups."""
+        ...
+
+    def start(self, trace: IterationTrace, samples: Sequence[int] | None = None) -> None:
+        """Dispatch samples."""
+        ...
+
+    def report(self, *, remaining: int, iteration: int) -> ComponentReport:
+        """The interval's report."""
+        ...
+
+    def new_iteration(self) -> None:
+        """Zero the completed-in-iteration count."""
+        ...
+
+    def busy_devices(self) -> int:
+        """Devices running something."""
+        ...
+
+    def totals(self) -> tuple[int, int]:
+        """(prefill tokens, of which re-prefill)."""
+        ...
 
 
 class SimPolicy(Protocol):
@@ -119,13 +186,15 @@ class Simulation:
         workload: Workload,
         *,
         request_policy: Callable[[], RequestPolicy] = FifoPolicy,
-        rollout_factory: Callable[..., Rollout] | None = None,
+        rollout_factory: Callable[..., RolloutModel] | None = None,
     ) -> None:
         self.workload = workload
         self.loop = EventLoop()
         self.clock = self.loop.clock
-        factory = rollout_factory or Rollout
-        self.rollout = factory(workload, self.loop, request_policy, self._sample_done)
+        factory: Callable[..., RolloutModel] = rollout_factory or Rollout
+        self.rollout: RolloutModel = factory(
+            workload, self.loop, request_policy, self._sample_done, self._samples_done
+        )
         self.inference = Stage(
             "inference",
             ComponentKind.INFERENCE.value,
@@ -333,6 +402,24 @@ class Simulation:
             size = self.workload.batch.group_size
             self.inference.add(Chunk(iteration, size, float(self._group_tokens[g])))
         if self._rolled == self.workload.batch.num_samples:
+            self._notify("rollout_done", iteration)
+
+    def _samples_done(self, iteration: int, samples: npt.NDArray[np.int64]) -> None:
+        """Many samples finished at once (the vector model): completed groups go on together."""
+        if self.sample_sink is not None:
+            for sample in samples.tolist():
+                self.sample_sink(iteration, sample)
+            return
+        assert self.trace is not None and iteration == self.iteration
+        w = self.workload
+        self._rolled += int(samples.shape[0])
+        counts = np.bincount(self.trace.group[samples], minlength=w.batch.num_prompts)
+        self._group_left -= counts
+        complete = np.flatnonzero((self._group_left == 0) & (counts > 0))
+        if complete.size:
+            tokens = float(self._group_tokens[complete].sum())
+            self.inference.add(Chunk(iteration, int(complete.size) * w.batch.group_size, tokens))
+        if self._rolled == w.batch.num_samples:
             self._notify("rollout_done", iteration)
 
     def _inferred(self, chunk: Chunk) -> None:

@@ -17,7 +17,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from dynarl.sched import SchedulerConfig
 
@@ -258,7 +258,7 @@ class StageSpec:
         """Tokens per second on ``num_gpus`` GPUs (0 for none)."""
         if num_gpus <= 0:
             return 0.0
-        return self.tokens_per_s_per_gpu * num_gpus**self.scaling_exponent
+        return self.tokens_per_s_per_gpu * math.pow(num_gpus, self.scaling_exponent)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -454,7 +454,7 @@ def with_overrides(workload: Workload, overrides: Mapping[str, object]) -> Workl
         if not section:
             if name not in _TOP:
                 raise ValueError(f"unknown workload key {raw_key!r}")
-            result = replace(result, **{name: value})
+            result = replace(result, **cast(dict[str, Any], {name: value}))
             continue
         current = getattr(result, section, None)
         if section not in _SECTIONS or current is None:

@@ -77,7 +77,9 @@ ASSUMPTIONS = {
     "pretraining MFU); log-prob inference: one forward pass (KL-free GRPO) at 35% MFU; "
     "both linear in GPUs when fed (paper §5.1).",
     "A9": "Trainer state 16 B/param (bf16 weights and grads, fp32 master and Adam moments), "
-    "12 of them sharded over DP by the distributed optimizer; 20 GB activations reserve.",
+    "12 of them sharded over DP by the distributed optimizer; the trainer's minimum is "
+    "the fewest GPUs (TP × a power of two) holding that state plus 20 GB of activations "
+    "from which it can still double under the scheduler's create-before-destroy peak.",
     "A10": "Prompts: log-normal, median 150 tokens, sigma 0.5 (short math problems).",
     "A11": "All model sizes share the fitted output-length distribution (same data and family).",
     "A12": "Trainer P2P migration grows linearly with parameters between F6's endpoints; "
@@ -150,15 +152,28 @@ def _stages(model: ModelSpec, tps: tuple[int, int], ctx: float) -> tuple[StageSp
     attn = model.num_layers * model.hidden_size * ctx
     train = PEAK_FLOPS * 0.25 / (6 * model.num_params + 12 * attn)
     infer = PEAK_FLOPS * 0.35 / (2 * model.num_params + 4 * attn)
-    per_gpu = (
-        model.state_bytes * (1 - model.sharded_state_fraction) / tps[0],
-        model.state_bytes * model.sharded_state_fraction,
-    )
-    budget = 80 * GIB - 20e9 - per_gpu[0]
-    min_gpus = tps[0] * max(1, 2 ** math.ceil(math.log2(max(per_gpu[1] / budget / tps[0], 1))))
+    min_gpus = _trainer_min_gpus(model, tps[0])
     trainer = StageSpec(tp=tps[0], tokens_per_s_per_gpu=train, min_gpus=min_gpus)
     inference = StageSpec(tp=tps[0], tokens_per_s_per_gpu=infer)
     return inference, trainer
+
+
+def _trainer_min_gpus(model: ModelSpec, tp: int) -> int:
+    """Fewest trainer GPUs (tp × a power of two) that hold the state and can still grow.
+
+    A9: the state plus 20 GB of activations fits, and doubling is possible under the
+    scheduler's create-before-destroy rule (old and new state on a GPU at once).
+    """
+    replicated = model.state_bytes * (1 - model.sharded_state_fraction) / tp
+    sharded = model.state_bytes * model.sharded_state_fraction / tp
+    memory = 80 * GIB
+    dp = 1
+    while True:
+        here = replicated + sharded / dp
+        doubled = replicated + sharded / (2 * dp)
+        if here + 20e9 <= memory and here + doubled <= memory:
+            return tp * dp
+        dp *= 2
 
 
 def _migration(model: ModelSpec) -> MigrationSpec:

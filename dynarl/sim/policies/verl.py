@@ -28,6 +28,7 @@ from dynarl.bus import ComponentReport
 from dynarl.sched import DeviceMove, DynamicScheduleContext, HybridController, build_policy
 from dynarl.sim.events import Task, Wait
 from dynarl.sim.profile import best_partition
+from dynarl.sim.rollout import Rollout
 from dynarl.sim.simulator import Simulation
 from dynarl.sim.stage import Chunk, Stage
 from dynarl.sim.trace import IterationTrace, build_trace
@@ -62,6 +63,8 @@ class VerlHybrid:
     def setup(self, sim: Simulation) -> None:
         """Place standalone and trainer GPUs; start the rollouter and the trainer loop."""
         w = sim.workload
+        if not isinstance(sim.rollout, Rollout):
+            raise ValueError("verl-hybrid needs the per-request rollout model")
         part = self.partition or best_partition(w)
         a = part["inference"] + part["trainer"]
         inf, tr = w.inference.tokens_per_s_per_gpu, w.trainer.tokens_per_s_per_gpu
@@ -217,6 +220,8 @@ class _Replicas:
     def __init__(self, policy: VerlHybrid, sim: Simulation) -> None:
         self.policy = policy
         self.sim = sim
+        assert isinstance(sim.rollout, Rollout)
+        self.rollout: Rollout = sim.rollout
 
     def _move(self, src: str, dst: str, seconds: float) -> Wait:
         wait = Wait()
@@ -237,13 +242,13 @@ class _Replicas:
 
     async def remove_replicas(self) -> None:
         """Cut routing to the hybrid engines."""
-        for engine in self.sim.rollout.engines.values():
+        for engine in self.rollout.engines.values():
             if set(engine.devices) <= set(self.policy.hybrid):
                 engine.routable = False
 
     async def abort_replicas(self) -> None:
         """Abort their requests; partials are retried on the standalone engines."""
-        rollout = self.sim.rollout
+        rollout = self.rollout
         hybrid = [e for e in rollout.engines.values() if not e.routable]
         rollout.resubmit(rollout.stop_engines(hybrid))
 
@@ -261,4 +266,4 @@ class _Replicas:
 
     async def rebalance(self) -> None:
         """Abort everything in flight and spread it over all routable engines."""
-        self.sim.rollout.rebalance()
+        self.rollout.rebalance()
