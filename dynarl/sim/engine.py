@@ -183,7 +183,10 @@ class Engine:
         spec = self.spec
         kv = self.kv_base + b * self.g
         to_finish = self._heap[0][0] - self.g
-        to_full = (spec.kv_capacity_tokens - b - kv) / b if b > 1 else math.inf
+        if self.cached_tokens:  # running KV grows into cached prefixes: evict them then
+            to_full = (spec.kv_capacity_tokens - b - kv - self.cached_tokens) / b
+        else:
+            to_full = (spec.kv_capacity_tokens - b - kv) / b if b > 1 else math.inf
         dg = max(min(to_finish, to_full), 0.0)
         s0 = spec.step_time(b, kv)
         dt = s0 * dg + 0.5 * spec.step_per_kv_token_s * b * dg * dg
@@ -196,7 +199,10 @@ class Engine:
         self.advance(now)
         finished = self._pop_finished()
         b = len(self.running)
-        if b > 1 and self.kv_base + b * self.g >= self.spec.kv_capacity_tokens - b - 1e-6:
+        cap = self.spec.kv_capacity_tokens
+        if b and self.kv_base + b * self.g + self.cached_tokens >= cap - b - 1e-6:
+            self._evict(headroom=b * self.spec.retract_decode_steps)
+        if b > 1 and self.kv_base + b * self.g >= cap - b - 1e-6:
             self._retract()
         self._step(now)
         for req in finished:
@@ -334,8 +340,9 @@ class Engine:
         self.cache[key] = tokens
         self.cached_tokens += tokens
 
-    def _evict(self) -> None:
-        cap = self.spec.kv_capacity_tokens
+    def _evict(self, headroom: float = 0.0) -> None:
+        """Drop least recently used prefixes until running KV, cache and ``headroom`` fit."""
+        cap = self.spec.kv_capacity_tokens - headroom
         used = self.kv_base + len(self.running) * self.g
         while self.cache and used + self.cached_tokens > cap:
             key, tokens = self.cache.popitem(last=False)

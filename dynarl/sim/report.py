@@ -67,6 +67,22 @@ class Timeline:
             i += 1
         return None
 
+    def ramp_time(self, component: str, num: int, start: float, end: float) -> float | None:
+        """First time in [start, end) ``component`` holds ``num`` devices again after its low.
+
+        The low is the first time it holds the fewest devices in the window (at an
+        iteration start the trainer still holds what it grew to in the last one).
+        """
+        column = self.components.index(component)
+        i = bisect.bisect_right(self.times, start)
+        points = [(start, self.count_at(component, start))]
+        while i < len(self.times) and self.times[i] < end:
+            points.append((self.times[i], self.counts[i][column]))
+            i += 1
+        low = min(count for _, count in points)
+        after = next(k for k, (_, count) in enumerate(points) if count == low)
+        return next((t for t, count in points[after:] if count >= num), None)
+
     def peak(self, component: str, start: float, end: float) -> int:
         """Most devices ``component`` holds in [start, end)."""
         column = self.components.index(component)

@@ -366,11 +366,6 @@ class Workload:
         if self.trainer.min_gpus > self.cluster.num_gpus:
             raise ValueError("trainer.min_gpus exceeds the cluster")
 
-    @property
-    def max_output_tokens(self) -> int:
-        """Most output tokens one sequence may have (a tiny prompt leaves the most)."""
-        return self.batch.max_seq_len - 1
-
 
 _SECTIONS: dict[str, type[Any]] = {
     "cluster": ClusterSpec,
