@@ -42,6 +42,10 @@ def small(kind: str = "math", *, num_gpus: int = 16, num_prompts: int = 32) -> W
         rollout=replace(base.rollout, kv_capacity_tokens=60_000, max_running_requests=64),
         inference=replace(base.inference, tokens_per_s_per_gpu=4_000.0),
         trainer=replace(base.trainer, tokens_per_s_per_gpu=1_000.0),
+        migration=replace(
+            base.migration, workload_s=0.5, p2p_s=0.2, phase_switch_s=0.5, weight_sync_s=0.5
+        ),
+        scheduler=replace(base.scheduler, min_move_interval_s=2.0),
         num_iterations=2,
         num_warmup_iterations=1,
     )

@@ -3,8 +3,8 @@
 :class:`VectorRollout` follows the same rules as :class:`~dynarl.sim.engine.Engine` (decode
 step ``t0 + c_seq·b + c_kv·KV``, closed-form progress between events, SGLang's admission
 with the decaying new-token ratio, retraction when the KV is full, prefill stalls, a
-group's prompt prefilled once per engine) for single-turn (math) workloads with FIFO
-queues, but holds the running requests of all engines in one matrix (engines × slots of
+group's prompt prefilled once per engine — and never evicted, the one simplification)
+for single-turn (math) workloads with FIFO queues, but holds the running requests of all engines in one matrix (engines × slots of
 finish points) and processes the next event of every engine at once. Engines advance
 lazily to the time of the simulator's next call; finished samples are announced then, in
 order of their finish time (downstream stages see them at most one call late). Admission
