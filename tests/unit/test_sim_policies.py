@@ -135,7 +135,7 @@ def test_rlinf_rule_releases_lowest_index_engines_first() -> None:
 
 def test_verl_hybrid_runs_the_real_controller_unclamped() -> None:
     policy = VerlHybrid()
-    sim, recorder = _run(policy, iterations=5)
+    _, recorder = _run(policy, iterations=5)
     controller = policy.controller
     assert controller is not None
     assert controller.policy.clamp_ratio is False  # type: ignore[attr-defined]
