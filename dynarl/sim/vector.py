@@ -4,8 +4,9 @@
 step ``t0 + c_seq·b + c_kv·KV``, closed-form progress between events, SGLang's admission
 with the decaying new-token ratio, retraction when the KV is full, prefill stalls, a
 group's prompt prefilled once per engine — and never evicted, the one simplification)
-for single-turn (math) workloads with FIFO queues, but holds the running requests of all engines in one matrix (engines × slots of
-finish points) and processes the next event of every engine at once. Engines advance
+for single-turn (math) workloads with FIFO queues, but holds the running requests of all
+engines in one matrix (engines × slots of finish points, with each engine's next finish
+cached) and processes the next event of every engine at once. Engines advance
 lazily to the time of the simulator's next call; finished samples are announced then, in
 order of their finish time (downstream stages see them at most one call late). Admission
 and retraction run per engine in Python, only where a queue or a full KV needs them (at
@@ -100,6 +101,8 @@ class VectorRollout:
         self.done_count = np.zeros(n, dtype=np.int64)
         self.fin = np.full((n, 8), np.inf)
         self.rid = np.full((n, 8), -1, dtype=np.int64)
+        self.nf = np.zeros(n)
+        self.nc = np.zeros(n, dtype=np.int64)
         self.wait: list[deque[int]] = []
         self.queued: set[int] = set()
         self.groups: list[set[tuple[int, int]]] = []
@@ -125,16 +128,17 @@ class VectorRollout:
     def _grow(self, extra: int) -> int:
         first = self.g.shape[0]
         pad = np.zeros(extra)
-        for name in ("g", "stall", "kv_base", "gen", "ratio_g"):
+        for name in ("g", "stall", "kv_base", "gen", "ratio_g", "nf"):
             setattr(self, name, np.concatenate([getattr(self, name), pad]))
         self.t = np.concatenate([self.t, np.full(extra, self.loop.now)])
         self.ratio0 = np.concatenate([self.ratio0, np.full(extra, self.spec.new_token_ratio)])
-        for name in ("b", "done_count"):
+        for name in ("b", "done_count", "nc"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, np.int64)]))
         self.alive = np.concatenate([self.alive, np.ones(extra, dtype=bool)])
         cols = self.fin.shape[1]
         self.fin = np.vstack([self.fin, np.full((extra, cols), np.inf)])
         self.rid = np.vstack([self.rid, np.full((extra, cols), -1, dtype=np.int64)])
+        self.nf[first:] = np.inf
         self.wait += [deque() for _ in range(extra)]
         self.groups += [set() for _ in range(extra)]
         return first
@@ -309,6 +313,7 @@ class VectorRollout:
         prompt = self.r_prompt[ids]
         np.add.at(self.kv_base, owner, prompt - g0)
         self.b[engines] += counts
+        self._refresh(engines)
         grp = self.r_group[ids] + self.r_it[ids] * (1 << 32)
         fresh_group = np.r_[True, (grp[1:] != grp[:-1]) | (owner[1:] != owner[:-1])]
         need = prompt + self.r_done[ids] - np.where(fresh_group, 0.0, prompt)
@@ -382,11 +387,20 @@ class VectorRollout:
             prefill += need
             fresh += need if done == 0 else 0.0
         self.b[j] = b
+        self._refresh(j)
         if prefill:
             self.prefill_tokens += prefill
             self.reprefill_tokens += prefill - fresh
             now = self.loop.now if at is None else at
             self.stall[j] = max(now, float(self.stall[j])) + prefill / spec.prefill_tokens_per_s
+
+    def _refresh(self, rows: IntArray | int) -> None:
+        """Recompute the next finish point (and its slot) of ``rows`` after they changed."""
+        rows = np.atleast_1d(np.asarray(rows, dtype=np.int64))
+        if rows.size:
+            cols = self.fin[rows].argmin(axis=1)
+            self.nc[rows] = cols
+            self.nf[rows] = self.fin[rows, cols]
 
     def _widen(self) -> None:
         cols = self.fin.shape[1]
@@ -414,6 +428,7 @@ class VectorRollout:
         self.kv_base[j] -= float((self.r_prompt[ids] - self.r_g0[ids]).sum())
         self.fin[j, cols] = np.inf
         self.rid[j, cols] = -1
+        self._refresh(j)
         self.b[j] -= ids.shape[0]
         if self.b[j] == 0:
             self.kv_base[j] = 0.0
@@ -447,6 +462,7 @@ class VectorRollout:
             kept -= 1
             self.wait[j].append(r)
             self.queued.add(j)
+        self._refresh(j)
         ratio = (decoded + spec.retract_decode_steps * kept) / max(max_new, 1.0)
         self.ratio0[j] = max(min(1.0, ratio), spec.min_new_token_ratio)
         self.ratio_g[j] = g
@@ -465,8 +481,8 @@ class VectorRollout:
             b = self.b[live].astype(np.float64)
             g = self.g[live]
             kv = self.kv_base[live] + b * g
-            cols = self.fin[live].argmin(axis=1)
-            to_fin = self.fin[live, cols] - g
+            cols = self.nc[live]
+            to_fin = self.nf[live] - g
             to_full = np.full(live.shape[0], np.inf)
             many = b > 1
             to_full[many] = (spec.kv_capacity_tokens - b[many] - kv[many]) / b[many]
@@ -487,6 +503,7 @@ class VectorRollout:
                 ids = self.rid[fin_rows, fin_cols]
                 self.fin[fin_rows, fin_cols] = np.inf
                 self.rid[fin_rows, fin_cols] = -1
+                self._refresh(fin_rows)
                 self.kv_base[fin_rows] -= self.r_prompt[ids] - self.r_g0[ids]
                 self.r_done[ids] = self.r_target[ids]
                 self.b[fin_rows] -= 1
