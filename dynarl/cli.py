@@ -76,7 +76,6 @@ def _simulate(args: argparse.Namespace) -> int:
     )
 
     from dynarl.sim import (
-        POLICY_NAMES,
         compare,
         format_table,
         load_workload,
@@ -84,6 +83,7 @@ def _simulate(args: argparse.Namespace) -> int:
         results_json,
         with_overrides,
     )
+    from dynarl.sim.policies import POLICY_NAMES
 
     try:
         workload = load_workload(args.workload)

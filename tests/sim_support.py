@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from dynarl.sim import load_workload
-from dynarl.sim.workload import AgenticSpec, Workload
+from dynarl.sim import AgenticSpec, Workload, load_workload
 
 WORKLOADS = Path(__file__).resolve().parent.parent / "examples" / "workloads"
 

@@ -9,12 +9,17 @@ engines and stages are modelled.
 
 from __future__ import annotations
 
-from dynarl.sim.cost import ModelledMigrationCost
+from dynarl.sim.components import (
+    EngineView,
+    ModelledMigrationCost,
+    RolloutModel,
+    SimPolicy,
+    build_nodes,
+)
 from dynarl.sim.engine import Engine, SimRequest
 from dynarl.sim.events import EventLoop, Handle, Task, Wait
 from dynarl.sim.plot import plot_timeline, plot_timelines
 from dynarl.sim.policies import (
-    POLICY_NAMES,
     DynarlPolicy,
     RlinfRule,
     StaticSequential,
@@ -32,21 +37,19 @@ from dynarl.sim.profile import (
     stage_times,
 )
 from dynarl.sim.report import (
-    BASELINES,
+    GpuAccounts,
     IterationStats,
     RunResult,
     Timeline,
     format_table,
     results_json,
     speedups,
+    summarise,
 )
 from dynarl.sim.rollout import Rollout, engine_groups
 from dynarl.sim.runs import compare, run_policy, sweep
-from dynarl.sim.simulator import COMPONENTS, SimPolicy, Simulation, build_nodes
-from dynarl.sim.stage import Chunk, Stage
-from dynarl.sim.trace import IterationTrace, build_trace
-from dynarl.sim.vector import VectorRollout
-from dynarl.sim.workload import (
+from dynarl.sim.simulator import Simulation
+from dynarl.sim.specs import (
     AgenticSpec,
     BatchSpec,
     ClusterSpec,
@@ -56,6 +59,11 @@ from dynarl.sim.workload import (
     RolloutSpec,
     StageSpec,
     VerlSpec,
+)
+from dynarl.sim.stage import Chunk, Stage
+from dynarl.sim.trace import IterationTrace, build_trace
+from dynarl.sim.vector import VectorRollout
+from dynarl.sim.workload import (
     Workload,
     dump_workload,
     file_hash,
@@ -65,16 +73,15 @@ from dynarl.sim.workload import (
 )
 
 __all__ = [
-    "BASELINES",
-    "COMPONENTS",
-    "POLICY_NAMES",
     "AgenticSpec",
     "BatchSpec",
     "Chunk",
     "ClusterSpec",
     "DynarlPolicy",
     "Engine",
+    "EngineView",
     "EventLoop",
+    "GpuAccounts",
     "Handle",
     "IterationStats",
     "IterationTrace",
@@ -84,6 +91,7 @@ __all__ = [
     "ModelledMigrationCost",
     "RlinfRule",
     "Rollout",
+    "RolloutModel",
     "RolloutSpec",
     "RunResult",
     "SimPolicy",
@@ -121,6 +129,7 @@ __all__ = [
     "run_policy",
     "speedups",
     "stage_times",
+    "summarise",
     "sweep",
     "with_overrides",
     "workload_from_dict",

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from dynarl.sched import QueuedRequest, RequestPolicy, RequestQueue
 from dynarl.sim.events import EventLoop, Handle
-from dynarl.sim.workload import RolloutSpec
+from dynarl.sim.specs import RolloutSpec
 
 __all__ = ["Engine", "SimRequest"]
 

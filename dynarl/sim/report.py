@@ -1,5 +1,8 @@
 """What a simulation run yields: the allocation timeline, per-iteration figures, the table.
 
+:class:`GpuAccounts` and :func:`summarise` turn a run's GPU-seconds and iterations into
+its figures.
+
 :class:`Timeline` is the step function of devices per component (what the plots draw
 and what the timeline validation reads). :class:`RunResult` holds one policy's figures
 over the measured iterations; :func:`format_table` and :func:`results_json` render a
@@ -14,14 +17,19 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from dynarl.errors import DynarlError
+from dynarl.sim.workload import Workload
+
 __all__ = [
     "BASELINES",
+    "GpuAccounts",
     "IterationStats",
     "RunResult",
     "Timeline",
     "format_table",
     "results_json",
     "speedups",
+    "summarise",
 ]
 
 BASELINES = ("static-sequential", "static-split", "rlinf-rule", "verl-hybrid")
@@ -147,6 +155,61 @@ class RunResult:
             "migration_share": self.migration_share,
             "reprefill_share": self.reprefill_share,
         }
+
+
+@dataclass(slots=True)
+class GpuAccounts:
+    """GPU-seconds per iteration: busy, idle (free devices included), migrating."""
+
+    per_iteration: dict[int, list[float]] = field(default_factory=dict)
+
+    def add(self, iteration: int, busy: float, idle: float, migrating: float) -> None:
+        """Add one interval's GPU-seconds to ``iteration``."""
+        row = self.per_iteration.setdefault(iteration, [0.0, 0.0, 0.0])
+        row[0] += busy
+        row[1] += idle
+        row[2] += migrating
+
+
+def summarise(
+    *,
+    policy: str,
+    workload: Workload,
+    iterations: Sequence[IterationStats],
+    accounts: GpuAccounts,
+    moves_per_iteration: Mapping[int, int],
+    prefill: tuple[int, int],
+    timeline: Timeline,
+) -> RunResult:
+    """A run's figures over its measured (post-warm-up) iterations.
+
+    Raises DynarlError when no measured iteration finished.
+    """
+    measured = [it for it in iterations if it.index >= workload.num_warmup_iterations]
+    if not measured:
+        raise DynarlError("no measured iteration finished")
+    span = measured[-1].end - measured[0].start
+    if workload.kind == "math":
+        amount, unit = float(sum(it.tokens for it in measured)), "tokens/s"
+    else:
+        amount, unit = float(sum(it.samples for it in measured)), "episodes/s"
+    rows = [accounts.per_iteration.get(it.index, [0.0] * 3) for it in measured]
+    busy, idle, mig = (sum(r[i] for r in rows) for i in range(3))
+    total = busy + idle + mig
+    moves = sum(moves_per_iteration.get(it.index, 0) for it in measured)
+    return RunResult(
+        policy=policy,
+        workload=workload.name,
+        unit=unit,
+        throughput=amount / span if span > 0 else math.inf,
+        iteration_s=sum(it.seconds for it in measured) / len(measured),
+        moves=moves / len(measured),
+        migration_share=mig / total if total else 0.0,
+        idle_share=idle / total if total else 0.0,
+        reprefill_share=prefill[1] / prefill[0] if prefill[0] else 0.0,
+        iterations=tuple(iterations),
+        timeline=timeline,
+    )
 
 
 def speedups(results: Sequence[RunResult]) -> dict[str, dict[str, float]]:

@@ -16,166 +16,38 @@ sample flow to the policy (verl fully-async). Single-threaded; each run is bound
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from dynarl.bus import ComponentReport
 from dynarl.errors import DynarlError
-from dynarl.sched import DeviceMove, FifoPolicy, HyperNode, RequestPolicy, Resize, place
-from dynarl.sim.cost import ModelledMigrationCost
+from dynarl.sched import DeviceMove, FifoPolicy, RequestPolicy, Resize, place
+from dynarl.sim.components import (
+    COMPONENTS,
+    ModelledMigrationCost,
+    RolloutModel,
+    SimPolicy,
+    build_nodes,
+)
 from dynarl.sim.events import EventLoop
-from dynarl.sim.report import IterationStats, RunResult, Timeline
+from dynarl.sim.report import (
+    GpuAccounts,
+    IterationStats,
+    RunResult,
+    Timeline,
+    summarise,
+)
 from dynarl.sim.rollout import Rollout
 from dynarl.sim.stage import Chunk, Stage
 from dynarl.sim.trace import IterationTrace, build_trace
 from dynarl.sim.workload import Workload
-from dynarl.types import Allocation, ComponentKind, MigrationKind
+from dynarl.types import Allocation, ComponentKind
 
-__all__ = ["COMPONENTS", "EngineView", "RolloutModel", "SimPolicy", "Simulation", "build_nodes"]
+__all__ = ["Simulation"]
 
 logger = logging.getLogger(__name__)
-
-COMPONENTS = ("rollout", "inference", "trainer")
-"""The simulated components."""
-
-
-class EngineView(Protocol):
-    """What policies may read of one rollout engine."""
-
-    @property
-    def index(self) -> int:
-        """Engine index (engines started earlier have lower ones)."""
-        ...
-
-    @property
-    def devices(self) -> tuple[int, ...]:
-        """Its devices."""
-        ...
-
-    @property
-    def load(self) -> int:
-        """Requests running or waiting on it."""
-        ...
-
-
-class RolloutModel(Protocol):
-    """The rollout component as the simulator drives it (per-request or vectorised)."""
-
-    @property
-    def engines(self) -> Mapping[int, EngineView]:
-        """Live engines by index."""
-        ...
-
-    @property
-    def pending(self) -> Sequence[object]:
-        """Requests waiting for any engine."""
-        ...
-
-    @property
-    def unfinished(self) -> int:
-        """Samples started and not finished."""
-        ...
-
-    def add_devices(self, devices: Iterable[int], *, routable: bool = True) -> Sequence[object]:
-        """Start engines on ``devices``."""
-        ...
-
-    def remove_devices(self, devices: Iterable[int]) -> list[tuple[int, ...]]:
-        """Abort the engines on ``devices``; returns leftover device groups."""
-        ...
-
-    def start(self, trace: IterationTrace, samples: Sequence[int] | None = None) -> None:
-        """Dispatch samples."""
-        ...
-
-    def report(self, *, remaining: int, iteration: int) -> ComponentReport:
-        """The interval's report."""
-        ...
-
-    def new_iteration(self) -> None:
-        """Zero the completed-in-iteration count."""
-        ...
-
-    def busy_devices(self) -> int:
-        """Devices running something."""
-        ...
-
-    def totals(self) -> tuple[int, int]:
-        """(prefill tokens, of which re-prefill)."""
-        ...
-
-
-class SimPolicy(Protocol):
-    """Decides the allocation in a :class:`Simulation`; every hook may call ``execute``."""
-
-    name: str
-    """Policy name."""
-    asynchronous: bool
-    """Whether the policy runs its own sample flow (no iteration barrier)."""
-
-    def setup(self, sim: Simulation) -> None:
-        """Place the initial allocation (and, when asynchronous, start the flow)."""
-        ...
-
-    def on_reports(self, sim: Simulation, reports: Mapping[str, ComponentReport]) -> None:
-        """Every reporting interval."""
-        ...
-
-    def on_event(self, sim: Simulation, event: str, iteration: int, index: int = 0) -> None:
-        """``rollout_done``, ``inference_done``, ``minibatch`` (index), ``iteration_end``,
-        ``iteration_start``."""
-        ...
-
-
-def build_nodes(workload: Workload, trainer_dp_sizes: tuple[int, ...] = ()) -> dict[str, HyperNode]:
-    """The scheduler's view of the three components."""
-    w = workload
-    return {
-        "rollout": HyperNode(
-            name="rollout",
-            kind=ComponentKind.ROLLOUT,
-            migration=MigrationKind.WORKLOAD,
-            tp=w.rollout.tp,
-            min_devices=w.rollout.tp,
-            successors=("inference",),
-        ),
-        "inference": HyperNode(
-            name="inference",
-            kind=ComponentKind.INFERENCE,
-            migration=MigrationKind.WORKLOAD,
-            tp=w.inference.tp,
-            min_devices=w.inference.min_gpus,
-            predecessors=("rollout",),
-            successors=("trainer",),
-        ),
-        "trainer": HyperNode(
-            name="trainer",
-            kind=ComponentKind.TRAINER,
-            migration=MigrationKind.P2P,
-            tp=w.trainer.tp,
-            min_devices=w.trainer.min_gpus,
-            dp_sizes=trainer_dp_sizes,
-            state_bytes=w.model.state_bytes,
-            sharded_state_fraction=w.model.sharded_state_fraction,
-            predecessors=("inference",),
-        ),
-    }
-
-
-@dataclass(slots=True)
-class _Accounts:
-    per_iteration: dict[int, list[float]] = field(default_factory=dict)
-
-    def add(self, iteration: int, busy: float, idle: float, migrating: float) -> None:
-        row = self.per_iteration.setdefault(iteration, [0.0, 0.0, 0.0, 0.0])
-        row[0] += busy
-        row[1] += idle
-        row[2] += migrating
 
 
 class Simulation:
@@ -215,7 +87,7 @@ class Simulation:
         self.iteration = -1
         self.trace: IterationTrace | None = None
         self.policy: SimPolicy | None = None
-        self.accounts = _Accounts()
+        self.accounts = GpuAccounts()
         self.moves_per_iteration: dict[int, int] = {}
         self.sample_sink: Callable[[int, int], None] | None = None
         self._group_left = np.zeros(0, dtype=np.int64)
@@ -526,31 +398,13 @@ class Simulation:
         return self.result(policy.name)
 
     def result(self, policy: str) -> RunResult:
-        """The run's figures over the measured iterations."""
-        w = self.workload
-        measured = [it for it in self.iterations if it.index >= w.num_warmup_iterations]
-        if not measured:
-            raise DynarlError("no measured iteration finished")
-        span = measured[-1].end - measured[0].start
-        if w.kind == "math":
-            amount, unit = float(sum(it.tokens for it in measured)), "tokens/s"
-        else:
-            amount, unit = float(sum(it.samples for it in measured)), "episodes/s"
-        rows = [self.accounts.per_iteration.get(it.index, [0.0] * 4) for it in measured]
-        busy, idle, mig = (sum(r[i] for r in rows) for i in range(3))
-        total = busy + idle + mig
-        prefill, reprefill = self.rollout.totals()
-        moves = sum(self.moves_per_iteration.get(it.index, 0) for it in measured)
-        return RunResult(
+        """The run's figures over the measured iterations (raises DynarlError without any)."""
+        return summarise(
             policy=policy,
-            workload=w.name,
-            unit=unit,
-            throughput=amount / span if span > 0 else math.inf,
-            iteration_s=float(np.mean([it.seconds for it in measured])),
-            moves=moves / len(measured),
-            migration_share=mig / total if total else 0.0,
-            idle_share=idle / total if total else 0.0,
-            reprefill_share=reprefill / prefill if prefill else 0.0,
-            iterations=tuple(self.iterations),
+            workload=self.workload,
+            iterations=self.iterations,
+            accounts=self.accounts,
+            moves_per_iteration=self.moves_per_iteration,
+            prefill=self.rollout.totals(),
             timeline=self.timeline,
         )

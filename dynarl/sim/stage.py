@@ -19,7 +19,7 @@ import numpy as np
 from dynarl.bus import ComponentReport
 from dynarl.sched import MetricsBuffer
 from dynarl.sim.events import EventLoop, Handle
-from dynarl.sim.workload import StageSpec
+from dynarl.sim.specs import StageSpec
 
 __all__ = ["Chunk", "Stage"]
 

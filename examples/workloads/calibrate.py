@@ -26,10 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from dynarl.sched import FifoPolicy, SchedulerConfig
-from dynarl.sim.events import EventLoop
-from dynarl.sim.rollout import Rollout
-from dynarl.sim.trace import build_trace
-from dynarl.sim.workload import (
+from dynarl.sim import (
     AgenticSpec,
     BatchSpec,
     ClusterSpec,
@@ -42,6 +39,9 @@ from dynarl.sim.workload import (
     Workload,
     dump_workload,
 )
+from dynarl.sim.events import EventLoop
+from dynarl.sim.rollout import Rollout
+from dynarl.sim.trace import build_trace
 
 HERE = Path(__file__).resolve().parent
 

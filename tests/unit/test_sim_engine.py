@@ -6,7 +6,7 @@ import pytest
 
 from dynarl.sched import FifoPolicy, PriorityPolicy, RequestPolicy
 from dynarl.sim import Engine, EventLoop, SimRequest
-from dynarl.sim.workload import RolloutSpec
+from dynarl.sim.specs import RolloutSpec
 
 SPEC = RolloutSpec(
     tp=1,

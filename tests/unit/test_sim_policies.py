@@ -12,9 +12,9 @@ from sim_support import small
 from dynarl.bus import ComponentReport, DecisionRecord, MigrationRecord
 from dynarl.sched import DeviceMove, FifoPolicy, PriorityPolicy
 from dynarl.sim import (
-    POLICY_NAMES,
     DynarlPolicy,
     RlinfRule,
+    SimPolicy,
     Simulation,
     StaticSequential,
     StaticSplit,
@@ -22,7 +22,7 @@ from dynarl.sim import (
     make_policy,
     rlinf_dp_sizes,
 )
-from dynarl.sim.simulator import SimPolicy
+from dynarl.sim.policies import POLICY_NAMES
 
 
 class Recorder:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from dynarl.sim.components import SimPolicy
 from dynarl.sim.policies.dynarl import DynarlPolicy
 from dynarl.sim.policies.rlinf import RlinfRule
 from dynarl.sim.policies.static import StaticSequential, StaticSplit
 from dynarl.sim.policies.verl import VerlHybrid
-from dynarl.sim.simulator import SimPolicy
 
 __all__ = [
     "POLICY_NAMES",

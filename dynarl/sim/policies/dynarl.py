@@ -25,8 +25,9 @@ from dynarl.sched import (
     RequestPolicy,
     Scheduler,
 )
+from dynarl.sim.components import COMPONENTS
 from dynarl.sim.profile import best_partition, predictor_profiles
-from dynarl.sim.simulator import COMPONENTS, Simulation
+from dynarl.sim.simulator import Simulation
 from dynarl.types import Allocation
 
 __all__ = ["DynarlPolicy"]
