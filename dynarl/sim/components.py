@@ -189,3 +189,21 @@ class ModelledMigrationCost:
             if r.migration is MigrationKind.P2P
         )
         return CostEstimate(seconds=seconds, bytes=added)
+
+    def move_seconds(
+        self, nodes: Mapping[str, HyperNode], old: Mapping[str, int], new: Mapping[str, int]
+    ) -> float:
+        """Pause of a move from device counts ``old`` to ``new`` (what the scheduler is charged)."""
+        resizes = tuple(
+            Resize(
+                component=name,
+                migration=nodes[name].migration,
+                old_devices=old[name],
+                new_devices=new[name],
+                tp=nodes[name].tp,
+                state_bytes=nodes[name].state_bytes,
+            )
+            for name in COMPONENTS
+            if new[name] != old[name]
+        )
+        return self.estimate(resizes).seconds

@@ -254,9 +254,7 @@ class Engine:
     # -------------------------------------------------------------- admission
     def submit(self, req: SimRequest) -> None:
         """Queue ``req`` here (admitting at once if it fits)."""
-        self.advance(self.loop.now)
-        self._enqueue(req)
-        self._step(self.loop.now)
+        self.submit_many([req])
 
     def submit_many(self, requests: list[SimRequest]) -> None:
         """Queue several requests, then admit."""
@@ -362,12 +360,9 @@ class Engine:
         for req in self.running.values():
             req.done = min(int(self.g - req.g0), req.target - 1) if req.target > 1 else 0
             out.append(req)
-        out.extend(self.waiting[q.request_id] for q in self.queue)
+        out += self.take_waiting()
         self.running.clear()
         self._heap.clear()
-        self.waiting.clear()
-        self._waiting_by_key.clear()
-        self.queue = RequestQueue(self.queue.policy)
         self.kv_base = 0.0
         self._reschedule()
         return out

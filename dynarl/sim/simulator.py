@@ -15,7 +15,6 @@ sample flow to the policy (verl fully-async). Single-threaded; each run is bound
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -23,7 +22,7 @@ import numpy.typing as npt
 
 from dynarl.bus import ComponentReport
 from dynarl.errors import DynarlError
-from dynarl.sched import DeviceMove, FifoPolicy, RequestPolicy, Resize, place
+from dynarl.sched import DeviceMove, FifoPolicy, RequestPolicy, place
 from dynarl.sim.components import (
     COMPONENTS,
     ModelledMigrationCost,
@@ -46,8 +45,6 @@ from dynarl.sim.workload import Workload
 from dynarl.types import Allocation, ComponentKind
 
 __all__ = ["Simulation"]
-
-logger = logging.getLogger(__name__)
 
 
 class Simulation:
@@ -163,7 +160,7 @@ class Simulation:
                 new[move.dst] += len(move.devices)
         modelled = seconds is None
         if seconds is None:
-            seconds = self._move_cost(old, new)
+            seconds = self.cost.move_seconds(self.nodes, old, new)
         for move in moves:
             self._take(move.src, move.devices)
             for d in move.devices:
@@ -176,21 +173,6 @@ class Simulation:
         self._record()
         self.loop.at(now + seconds, lambda: self._arrive(moves, on_done))
         return seconds
-
-    def _move_cost(self, old: Mapping[str, int], new: Mapping[str, int]) -> float:
-        resizes = tuple(
-            Resize(
-                component=n,
-                migration=self.nodes[n].migration,
-                old_devices=old[n],
-                new_devices=new[n],
-                tp=self.nodes[n].tp,
-                state_bytes=self.nodes[n].state_bytes,
-            )
-            for n in COMPONENTS
-            if new[n] != old[n]
-        )
-        return self.cost.estimate(resizes).seconds
 
     def _take(self, src: str | None, devices: Sequence[int]) -> None:
         if src is None:
