@@ -74,8 +74,9 @@ ASSUMPTIONS = {
     "sequence (users size it so engines rarely retract).",
     "A8": "Trainer: 25% MFU on 6·P + attention FLOPs (long-context RL updates with full "
     "activation recompute and TP 2–8 on 1.5–32B models sit well below Megatron's ~40% "
-    "pretraining MFU); log-prob inference: one forward pass (KL-free GRPO) at 35% MFU; "
-    "both linear in GPUs when fed (paper §5.1).",
+    "pretraining MFU); log-prob inference: one forward pass (KL-free GRPO) at 35% MFU on "
+    "the trainer's model layout (its replica is the trainer's TP); both linear in GPUs "
+    "when fed (paper §5.1). Attention FLOPs use the mean context of a token.",
     "A9": "Trainer state 16 B/param (bf16 weights and grads, fp32 master and Adam moments), "
     "12 of them sharded over DP by the distributed optimizer; the trainer's minimum is "
     "the fewest GPUs (TP × a power of two) holding that state plus 20 GB of activations "
@@ -84,7 +85,8 @@ ASSUMPTIONS = {
     "A11": "All model sizes share the fitted output-length distribution (same data and family).",
     "A12": "Trainer P2P migration grows linearly with parameters between F6's endpoints; "
     "rollout workload migration linearly with log(parameters) between F7's medians.",
-    "A13": "Weight sync: bf16 weights broadcast at 100 GB/s effective plus 1 s fixed.",
+    "A13": "Weight sync: bf16 weights broadcast at 100 GB/s effective plus 1 s fixed; a "
+    "reboot migration: 30 s restart plus loading bf16 weights at 2 GB/s.",
     "A14": "A colocated stage switch costs one rollout workload migration (free KV and "
     "weights, load the other role).",
     "A15": "4 trainer mini-batches per step (RLinf's n_minibatches in its math examples).",
@@ -98,6 +100,11 @@ ASSUMPTIONS = {
     "prediction errors (the predictor's whole error window) rather than 8, so the few "
     "reports after an iteration starts, predicted from the profile, cannot trip it alone.",
     "A19": "3 iterations simulated, the first one warm-up (the paper averages 10 after it).",
+    "A20": "SGLang's scheduler constants: new-token ratio 0.7 decaying to 0.1 over 600 "
+    "decode steps, 4096 future tokens counted per request at most, 20 steps of headroom "
+    "after a retraction (its defaults).",
+    "A21": "Seeds are fixed arbitrary numbers (one per model and cluster size); every "
+    "policy sees the same trace of a file.",
 }
 
 FITTED = {
