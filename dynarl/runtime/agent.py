@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import logging
 import signal
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -86,6 +87,7 @@ class WorkerAgent:
         self._stop = asyncio.Event()
         self._lost = False
         self._store: Store | None = None
+        self._store_lock = threading.Lock()
         self._in_flight = 0
         self._completed = 0
         self._metrics: tuple[str, BusClient] | None = None
@@ -153,6 +155,10 @@ class WorkerAgent:
         )
 
     def _get_store(self) -> Store:
+        with self._store_lock:
+            return self._connect_store()
+
+    def _connect_store(self) -> Store:
         if self._store is None:
             from torch._C._distributed_c10d import TCPStore
 

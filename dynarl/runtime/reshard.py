@@ -134,12 +134,13 @@ class RankMigrations:
             group_timeout_s=self._timeout_s,
             executor=ExecutorConfig(timeout_s=self._timeout_s),
         )
+        store = await self._compute.run(self._store)  # connecting may block: not on the loop
         migration = P2PMigration(
             migration_id=command.migration_id,
             src=src,
             dst=dst,
             rank=self.device,
-            store=self._store(),
+            store=store,
             epoch=command.epoch,
             trainer=role,
             config=config,

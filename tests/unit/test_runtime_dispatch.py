@@ -7,12 +7,14 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 
 from dynarl.bus import GenerationRequest, Sample, pack_tokens, unpack_tokens
 from dynarl.errors import PeerLostError
 from dynarl.runtime import Dispatcher
-from dynarl.runtime.wire import FINISH, RESUMED, AbortInflight, Done
+from dynarl.runtime.progress import Progress
+from dynarl.runtime.wire import FINISH, PROMPT_LEN, RESUMED, AbortInflight, Done
 from dynarl.testing import scripted_token
 
 PROMPT = [7, 8, 9]
@@ -203,3 +205,45 @@ def test_items_wait_without_workers_and_survive_a_lost_one() -> None:
     out = run(scenario, workers)
     assert Counter(s.sample_id for s in out) == Counter(f"r{i}" for i in range(4))
     assert all(list(unpack_tokens(s.token_ids)) == expected(s.sample_id, 3) for s in out)
+
+
+def test_a_continuation_keeps_positions_budget_and_log_probabilities() -> None:
+    request = GenerationRequest(
+        sample_id="x",
+        token_ids=pack_tokens(PROMPT),
+        max_new_tokens=5,
+        priority=3,
+        seed=11,
+        metadata={"tool_calls": 2, "affinity": "must", "episode": "e"},
+    )
+    progress = Progress(original=request)
+    assert progress.next_request() is request
+    assert (progress.routed.status, progress.routed.episode) == (2, "e")
+
+    def result(tokens: list[int], new: list[int], finish: str) -> Sample:
+        return Sample(
+            sample_id="x",
+            token_ids=pack_tokens(tokens + new),
+            prompt_len=len(tokens),
+            logprobs=np.full(len(new), -0.5, dtype="<f4").tobytes(),
+            metadata={FINISH: finish},
+        )
+
+    assert progress.absorb(result(PROMPT, [1, 2], "abort")) is None
+    progress.continue_elsewhere()
+    assert progress.routed.affinity == "prefer" and progress.routed.attained_service == 2
+    again = progress.next_request()
+    assert isinstance(again, GenerationRequest)
+    assert list(unpack_tokens(again.token_ids)) == [*PROMPT, 1, 2]
+    assert (again.max_new_tokens, again.seed, again.priority) == (3, 11, 3)
+    assert again.metadata[PROMPT_LEN] == 3 and again.metadata[RESUMED] == 1
+    final = progress.absorb(result([*PROMPT, 1, 2], [3, 4, 5], "length"))
+    assert final is not None and list(unpack_tokens(final.token_ids)) == [*PROMPT, 1, 2, 3, 4, 5]
+    assert final.prompt_len == 3 and len(final.logprobs) == 5 * 4
+    assert PROMPT_LEN not in final.metadata and final.metadata[RESUMED] == 1
+    partial = Progress(original=request).partial(worker=4)
+    assert (
+        partial.prompt == tuple(PROMPT)
+        and partial.affinity == "must"
+        and partial.affinity_worker == 4
+    )
