@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dynarl.runtime.agent import WorkerAgent
 from dynarl.runtime.controller import Controller
-from dynarl.runtime.coordinator import Coordinator, Journal, plan_moves
+from dynarl.runtime.coordinator import Coordinator, plan_moves
 from dynarl.runtime.cost import PlannerCost
 from dynarl.runtime.dispatch import Dispatcher
+from dynarl.runtime.durability import AllocationJournal, MoveJournal
 from dynarl.runtime.faults import Fault, FaultAction, FaultInjector, InjectedFault
 from dynarl.runtime.job import Job, JobConfig
 from dynarl.runtime.launcher import LocalLauncher
@@ -39,6 +40,7 @@ from dynarl.runtime.spec import ComponentSpec, RuntimeConfig
 from dynarl.runtime.wire import CallResult
 
 __all__ = [
+    "AllocationJournal",
     "CallResult",
     "Checkpointing",
     "ComponentMove",
@@ -54,8 +56,8 @@ __all__ = [
     "InjectedFault",
     "Job",
     "JobConfig",
-    "Journal",
     "LocalLauncher",
+    "MoveJournal",
     "PlannerCost",
     "Reporting",
     "Reshardable",

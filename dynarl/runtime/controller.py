@@ -32,8 +32,9 @@ from dynarl.bus.messages import PeerEvent, Sample
 from dynarl.bus.pubsub import Publisher
 from dynarl.bus.records import ComponentReport, MigrationRecord
 from dynarl.bus.server import BusServer
-from dynarl.runtime.coordinator import Coordinator, Journal
+from dynarl.runtime.coordinator import Coordinator
 from dynarl.runtime.cost import PlannerCost
+from dynarl.runtime.durability import AllocationJournal
 from dynarl.runtime.faults import FaultInjector
 from dynarl.runtime.link import WorkerLink
 from dynarl.runtime.manager import GroupManager
@@ -64,7 +65,7 @@ class Controller:
         run_dir: Path,
         config: RuntimeConfig | None = None,
         kill: Callable[[int], None] | None = None,
-        journal: Journal | None = None,
+        journal: AllocationJournal | None = None,
     ) -> None:
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
@@ -126,6 +127,7 @@ class Controller:
         for manager in self.managers.values():
             await manager.start()
         self._build_scheduler(clock)
+        self.coordinator.journal.start(self._initial)
         group = self._group = asyncio.TaskGroup()
         await group.__aenter__()
         self._tasks = [group.create_task(m.run(self._stop)) for m in self.managers.values()]

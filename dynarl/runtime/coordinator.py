@@ -24,10 +24,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
 from dynarl.bus.records import MigrationRecord
 from dynarl.runtime.cost import PlannerCost
+from dynarl.runtime.durability import AllocationJournal, MoveJournal
 from dynarl.runtime.faults import FaultInjector
 from dynarl.runtime.manager import GroupManager
 from dynarl.runtime.moves import ComponentMove, Driver, P2PMove
@@ -37,17 +37,9 @@ from dynarl.runtime.workload import WorkloadMove
 from dynarl.sched.events import Clock, MigrationCommand, MoveOutcome
 from dynarl.types import Allocation, MigrationKind
 
-__all__ = ["Coordinator", "Journal", "plan_moves"]
+__all__ = ["Coordinator", "plan_moves"]
 
 logger = logging.getLogger(__name__)
-
-
-class Journal(Protocol):
-    """Where committed allocations are made durable (the runtime's allocation journal)."""
-
-    def commit(self, *, allocation: Allocation, decision_id: str, epoch: int) -> None:
-        """Record ``allocation`` as committed by ``decision_id`` (returns once durable)."""
-        ...
 
 
 def plan_moves(
@@ -98,12 +90,13 @@ class Coordinator:
         cost: PlannerCost,
         outcomes: Callable[[MoveOutcome], None],
         publish: Callable[[MigrationRecord], None],
-        journal: Journal | None = None,
+        journal: AllocationJournal | None = None,
         epoch: int = 0,
     ) -> None:
         self._managers, self._specs, self._config = managers, specs, config
         self.faults, self._clock, self.cost = faults, clock, cost
-        self._outcomes, self._publish, self._journal = outcomes, publish, journal
+        self._outcomes, self._publish = outcomes, publish
+        self.journal = MoveJournal(journal)
         self.allocation = allocation
         """The allocation in force."""
         self.epoch = epoch
@@ -144,6 +137,7 @@ class Coordinator:
             async with contextlib.AsyncExitStack() as stack:
                 for name in names:
                     await stack.enter_async_context(self._managers[name].lock)
+                self.journal.begin(command, drivers)
                 return await self._carry_out(command, drivers)
 
     def _driver(self, decision_id: str, move: ComponentMove, lease_s: float) -> Driver:
@@ -177,6 +171,8 @@ class Coordinator:
                 logger.warning("%s: %r", driver.migration_id, exc)
                 failure = f"{driver.migration_id}: {type(exc).__name__}: {exc}"
                 break
+            finally:
+                self.journal.steps(command, driver)
             if outcome is not None:
                 failure = f"{driver.migration_id}: {outcome.step} failed: {outcome.detail}"
                 break
@@ -185,11 +181,14 @@ class Coordinator:
             failure = "lease lapsed before commit"
         if failure:
             return await self._roll_back(command, started, failure)
+        self.journal.end(command, command.new_allocation, "")  # the commit point, durable
         results = []
         for driver in drivers:
             outcome = await driver.commit()
             results.append((driver, "committed" if outcome.ok else "failed", outcome.detail))
         ok = all(result == "committed" for _, result, _ in results)
+        if not ok:
+            logger.error("%s: journalled as committed, but a commit failed", command.decision_id)
         return self._end(command, ok, "" if ok else "commit failed", results)
 
     async def _roll_back(
@@ -204,8 +203,12 @@ class Coordinator:
                 logger.exception("%s: rollback failed", driver.migration_id)
                 results.append((driver, "failed", f"rollback: {exc!r}"))
                 continue
+            finally:
+                self.journal.steps(command, driver)
             state = "rolled_back" if outcome.ok else "failed"
             results.append((driver, state, failure if outcome.ok else outcome.detail))
+        undone = all(state == "rolled_back" for _, state, _ in results)
+        self.journal.end(command, None, failure if undone else f"rollback failed: {failure}")
         return self._end(command, False, failure, results)
 
     def _end(
@@ -217,12 +220,7 @@ class Coordinator:
     ) -> MoveOutcome:
         records = tuple(self._record(command, *result) for result in results)
         allocation = self._allocation_after(command, ok, results)
-        if allocation != self.allocation:
-            self.allocation = allocation
-            if self._journal is not None:
-                self._journal.commit(
-                    allocation=allocation, decision_id=command.decision_id, epoch=self.epoch
-                )
+        self.allocation = allocation
         outcome = MoveOutcome(
             decision_id=command.decision_id,
             ok=ok,

@@ -33,7 +33,7 @@ from dynarl.bus.channel import Channel
 from dynarl.bus.messages import MetaValue, Sample
 from dynarl.errors import WorkerError
 from dynarl.runtime.controller import Controller
-from dynarl.runtime.coordinator import Journal
+from dynarl.runtime.durability import AllocationJournal
 from dynarl.runtime.faults import FaultInjector
 from dynarl.runtime.launcher import LocalLauncher
 from dynarl.runtime.options import WorkerOptions
@@ -83,7 +83,7 @@ class Job:
         components: Sequence[ComponentSpec],
         config: JobConfig | None = None,
         *,
-        journal: Journal | None = None,
+        journal: AllocationJournal | None = None,
     ) -> None:
         if not components:
             raise ValueError("a job needs at least one component")

@@ -34,14 +34,23 @@ class FakeDriver:
         self.deadline = time.monotonic() + plan.get("lease_left", 60.0)
         self.pause_s, self.bytes_moved = 0.25, 100
 
+        self.done: list[Outcome] = []
+
+    @property
+    def state(self) -> Any:
+        return self
+
     def _outcome(self, step: Step, ok: bool = True) -> Outcome:
-        return Outcome(
+        outcome = Outcome(
             migration_id=self.migration_id, step=step, ok=ok, detail="" if ok else "boom"
         )
+        self.done.append(outcome)
+        return outcome
 
     async def pre_commit(self) -> Outcome | None:
         self.log.append(("prepare", self.move.component))
-        return self._outcome(Step.PREPARE, ok=False) if self.fail else None
+        outcome = self._outcome(Step.PREPARE, ok=not self.fail)
+        return None if outcome.ok else outcome
 
     async def commit(self) -> Outcome:
         self.log.append(("commit", self.move.component))
@@ -58,11 +67,23 @@ class Manager:
 
 
 class Journal:
-    def __init__(self) -> None:
-        self.committed: list[tuple[str, Allocation]] = []
+    """Records what the coordinator journals (the allocation journal's protocol)."""
 
-    def commit(self, *, allocation: Allocation, decision_id: str, epoch: int) -> None:
-        self.committed.append((decision_id, allocation))
+    def __init__(self) -> None:
+        self.entries: list[tuple[object, ...]] = []
+
+    def commit(self, allocation: Allocation, *, migration_id: str = "") -> int:
+        self.entries.append(("commit", migration_id, allocation))
+        return len(self.entries)
+
+    def begin_migration(self, *, migration_id: str, target: Allocation, **kw: object) -> None:
+        self.entries.append(("begin", migration_id, target, kw["component"], tuple(kw["devices"])))  # type: ignore[arg-type]
+
+    def record_step(self, migration_id: str, step: str, *, ok: bool, detail: str = "") -> None:
+        self.entries.append(("step", step, ok))
+
+    def end_migration(self, migration_id: str, outcome: str, reason: str = "") -> None:
+        self.entries.append(("end", migration_id, outcome))
 
 
 def run(
@@ -119,7 +140,12 @@ def test_every_migration_commits_after_every_one_prepared() -> None:
     ]
     assert outcome.ok and outcome.allocation == NEW and coordinator.allocation == NEW
     assert again is outcome  # the same decision is answered from its record
-    assert journal.committed == [("d1", NEW)]
+    assert journal.entries == [
+        ("begin", "d1", NEW, "trainer", (1,)),
+        ("step", "prepare", True),
+        ("step", "prepare", True),
+        ("commit", "d1", NEW),
+    ]
     assert [(r.component, r.outcome, r.pause_s) for r in outcome.records] == [
         ("rollout", "committed", 0.25),
         ("trainer", "committed", 0.25),
@@ -135,7 +161,13 @@ def test_a_failure_rolls_every_started_migration_back_in_reverse() -> None:
         ("rollback", "rollout"),
     ]
     assert not outcome.ok and "boom" in outcome.reason
-    assert outcome.allocation == OLD and coordinator.allocation == OLD and not journal.committed
+    assert outcome.allocation == OLD and coordinator.allocation == OLD
+    assert journal.entries[-4:] == [
+        ("step", "prepare", False),
+        ("step", "rollback", True),
+        ("step", "rollback", True),
+        ("end", "d1", "rolled_back"),
+    ]
     assert {r.outcome for r in outcome.records} == {"rolled_back"}
 
 
