@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynarl.bus.client import BusClient
 from dynarl.bus.config import BusConfig
+from dynarl.bus.curve import CurveClient
 from dynarl.bus.messages import Envelope, GenerationRequest, Sample
 from dynarl.bus.peers import Peer
 from dynarl.bus.records import WorkerMetrics
@@ -80,17 +81,27 @@ _HOOKS = frozenset(
 class WorkerAgent:
     """The agent of one worker process (see the module docstring)."""
 
-    def __init__(self, options: WorkerOptions) -> None:
+    def __init__(
+        self,
+        options: WorkerOptions,
+        *,
+        store: Store | None = None,
+        curve: CurveClient | None = None,
+    ) -> None:
+        """``store``: the job's store when the launcher already holds it (torchrun),
+        else a client of ``options.store_host:store_port`` is opened on first use;
+        ``curve``: CURVE settings when the controller binds a routable address."""
         self.options = options
         self.device = options.device
         self._compute = ComputeThread(f"dynarl-compute-{options.device}")
         self._stop = asyncio.Event()
         self._lost = False
-        self._store: Store | None = None
+        self._store: Store | None = store
         self._store_lock = threading.Lock()
         self._in_flight = 0
         self._completed = 0
         self._metrics: tuple[str, BusClient] | None = None
+        self._curve = curve
         self._client = BusClient(
             options.controller,
             name=f"worker/{options.device}",
@@ -99,6 +110,7 @@ class WorkerAgent:
             worker=options.device,
             devices=(options.device,),
             on_lost=self._on_lost,
+            curve=curve,
         )
         self._client.route(Envelope, self._on_envelope)
         self._client.route(GenerationRequest, self._serve)
@@ -272,6 +284,7 @@ class WorkerAgent:
             await self._close_metrics()
         client = BusClient(
             address,
+            curve=self._curve,
             name=f"{component}/{self.device}",
             config=BusConfig(register_timeout_s=self.options.register_timeout_s),
             role="worker",

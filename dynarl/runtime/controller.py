@@ -24,10 +24,11 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynarl.bus.channel import Channel
 from dynarl.bus.config import BusConfig
+from dynarl.bus.curve import CurveServer
 from dynarl.bus.messages import PeerEvent, Sample
 from dynarl.bus.pubsub import Publisher
 from dynarl.bus.records import ComponentReport, MigrationRecord
@@ -46,6 +47,9 @@ from dynarl.sched.predictor import RegressionPredictor
 from dynarl.sched.scheduler import Scheduler
 from dynarl.types import Allocation
 
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
 __all__ = ["Controller"]
 
 logger = logging.getLogger(__name__)
@@ -54,7 +58,10 @@ logger = logging.getLogger(__name__)
 class Controller:
     """The job's controller (see the module docstring).
 
-    Raises ValueError for components with clashing names or devices.
+    ``store``: the job's store when a launcher already holds one (torchrun), else the
+    controller hosts a TCPStore on loopback; ``bind`` and ``curve``: the bus server's
+    address and CURVE settings (required for a routable address). Raises ValueError for
+    components with clashing names or devices.
     """
 
     def __init__(
@@ -66,6 +73,9 @@ class Controller:
         config: RuntimeConfig | None = None,
         kill: Callable[[int], None] | None = None,
         journal: AllocationJournal | None = None,
+        store: Store | None = None,
+        bind: str = "tcp://127.0.0.1:0",
+        curve: CurveServer | None = None,
     ) -> None:
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
@@ -80,6 +90,7 @@ class Controller:
         self.num_devices = num_devices
         self._initial = initial
         self._kill, self._journal = kill, journal
+        self._given_store, self._bind, self._curve = store, bind, curve
         self._events: asyncio.Queue[SchedulerEvent | None] = asyncio.Queue()
         self._stop = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
@@ -97,14 +108,16 @@ class Controller:
         from torch._C._distributed_c10d import TCPStore
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.store = TCPStore(
+        self.store: Store = self._given_store or TCPStore(
             "127.0.0.1",
             0,
             is_master=True,
             wait_for_workers=False,
             timeout=timedelta(seconds=self.config.collective_timeout_s),
         )
-        self.server = BusServer(name="controller", config=self.bus, on_peer=self._on_peer)
+        self.server = BusServer(
+            self._bind, name="controller", config=self.bus, curve=self._curve, on_peer=self._on_peer
+        )
         await self.server.start()
         self.publisher = Publisher(config=self.bus)
         await self.publisher.__aenter__()
@@ -136,7 +149,7 @@ class Controller:
             group.create_task(self.scheduler.run(self._event_stream(), self.coordinator)),
             group.create_task(self._tick()),
         ]
-        logger.info("controller listening on %s, store on port %d", self.address, self.store.port)
+        logger.info("controller listening on %s", self.address)
         return self
 
     def _build_scheduler(self, clock: MonotonicClock) -> None:
@@ -215,8 +228,8 @@ class Controller:
 
     @property
     def store_port(self) -> int:
-        """Port of the job's TCPStore (on 127.0.0.1)."""
-        port: int = self.store.port
+        """Port of the job's TCPStore (on 127.0.0.1) when the controller hosts it."""
+        port: int = getattr(self.store, "port", 0)
         return port
 
     @property
