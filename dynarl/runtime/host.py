@@ -1,8 +1,8 @@
 """RoleHost: the role instances one worker holds, exactly one of them active.
 
-Activating a component stops the active role first (``interrupt()``, its ``run()``
-cancelled, ``sleep()``) and then wakes the component's instance, or creates it (and calls
-``start()`` unless it joins by migration). A stopped role stays asleep with its state
+Activating a component stops the active role first (``interrupt()``, a serving role's
+``abort()``, its ``run()`` cancelled, ``sleep()``) and then wakes the component's
+instance, or creates it (and calls ``start()`` unless it joins by migration). A stopped role stays asleep with its state
 until it is activated again or torn down (``close()``). Every operation is idempotent.
 Runs on the worker's event loop; role tasks live in the agent's task group.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 from dynarl.bus.component import WorkerGroup
 from dynarl.errors import WorkerError
-from dynarl.runtime.role import RoleContext, load_role_class, overrides_run
+from dynarl.runtime.role import RoleContext, Serving, load_role_class, overrides_run
 from dynarl.runtime.wire import Activate, RoleStatus
 
 __all__ = ["RoleHost"]
@@ -159,6 +159,8 @@ class RoleHost:
             return
         role = self._roles[name]
         await role.interrupt()
+        if isinstance(role, Serving):
+            await role.abort()  # nothing may wait on a stopped engine: partials go back
         task, self._run = self._run, None
         if task is not None:
             task.cancel()
