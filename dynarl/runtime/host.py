@@ -2,9 +2,10 @@
 
 Activating a component stops the active role first (``interrupt()``, a serving role's
 ``abort()``, its ``run()`` cancelled, ``sleep()``) and then wakes the component's
-instance, or creates it (and calls ``start()`` unless it joins by migration). A stopped role stays asleep with its state
-until it is activated again or torn down (``close()``). Every operation is idempotent.
-Runs on the worker's event loop; role tasks live in the agent's task group.
+instance, or creates it (and calls ``start()`` unless it joins by migration). A stopped
+role stays asleep with its state until it is activated again or torn down (``close()``).
+Every operation is idempotent. Runs on the worker's event loop; role tasks live in the
+agent's task group.
 """
 
 from __future__ import annotations
