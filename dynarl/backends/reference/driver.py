@@ -1,0 +1,501 @@
+"""The GRPO loop of a reference job on the runtime, under a device schedule.
+
+:class:`GRPODriver` runs on-policy GRPO steps on a :class:`dynarl.Job` made by
+:func:`reference_components`: the rollout component generates every episode of a step
+(multi-turn tool calls run in the driver, the calculator's latency a wait), each prompt
+group becomes one micro-batch as soon as its episodes are scored, and the trainer learns
+the micro-batches whenever it holds devices (``ReferenceTrainer.learn``); once the last
+episode is in, the trainer takes the step (rows summed in micro-batch order), syncs the
+weights to the rollout engines, and the devices go back to the rollout. What the step
+computes — its samples, micro-batches, update order, and in deterministic mode every
+token, reward and parameter — is the same under every :class:`Schedule`:
+
+* ``sequential``: every device generates, then every device trains (DP over all), then
+  every device generates again (roles switch at the barriers, sleeping with their state);
+* ``split``: a fixed partition — ``num_rollout_devices`` generate, the others train
+  (learning micro-batches while the rollout runs), no moves at all;
+* ``dynarl``: like sequential, but while the rollout runs the scheduler may take devices
+  from it (a tail leaves engines idle) and give them to the trainer, which starts learning
+  the complete micro-batches at once; at the barrier the trainer grows onto every device
+  by P2P migration and shrinks back to its home device after the step. The scheduler acts
+  only during the rollout phase (observe-only otherwise, so it never races the barrier).
+
+Every move is a real migration through the runtime's coordinator and ledger. Runs on the
+caller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from dynarl.backends.reference.episodes import Episodes, ToolCall
+from dynarl.backends.reference.learner import ReferenceTrainer
+from dynarl.backends.reference.serving import ReferenceRollout
+from dynarl.backends.reference.setup import ReferenceSetup
+from dynarl.backends.reference.tools import ToolWorker
+from dynarl.bus.messages import MetaValue, Sample
+from dynarl.errors import BackendError
+from dynarl.runtime.job import Job
+from dynarl.runtime.spec import ComponentSpec
+from dynarl.runtime.wire import CallResult
+from dynarl.sched.predictor import ComponentProfile
+from dynarl.types import Allocation
+
+__all__ = [
+    "DriverProgress",
+    "GRPODriver",
+    "RunPlan",
+    "Schedule",
+    "StepReport",
+    "reference_components",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class Schedule(enum.StrEnum):
+    """How the job's devices are used (see the module docstring)."""
+
+    DYNARL = "dynarl"
+    SEQUENTIAL = "sequential"
+    SPLIT = "split"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunPlan:
+    """A schedule over ``num_devices`` devices."""
+
+    schedule: Schedule
+    """The schedule."""
+    num_devices: int = 2
+    """Devices (worker processes) of the job."""
+    num_rollout_devices: int = 1
+    """split: devices ``0 .. k-1`` generate, the others train."""
+
+    def __post_init__(self) -> None:
+        if self.num_devices < 1:
+            raise ValueError(f"RunPlan.num_devices must be >= 1, got {self.num_devices}")
+        if self.schedule is Schedule.SPLIT and not 0 < self.num_rollout_devices < self.num_devices:
+            raise ValueError("a split needs 0 < num_rollout_devices < num_devices")
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Every device of the job."""
+        return tuple(range(self.num_devices))
+
+    @property
+    def label(self) -> str:
+        """``dynarl``, ``sequential`` or ``split-<k>/<n>``."""
+        if self.schedule is Schedule.SPLIT:
+            return f"split-{self.num_rollout_devices}/{self.num_devices - self.num_rollout_devices}"
+        return str(self.schedule)
+
+    @property
+    def home(self) -> tuple[int, ...]:
+        """Where the trainer keeps its state while the rollout holds every device: the
+        device the scheduler releases first (the highest), or all of them (sequential)."""
+        if self.schedule is Schedule.SEQUENTIAL:
+            return self.devices
+        if self.schedule is Schedule.SPLIT:
+            return self.devices[self.num_rollout_devices :]
+        return self.devices[-1:]
+
+    def rollout_phase(self) -> Allocation:
+        """The allocation while the rollout runs (at its start, for dynarl)."""
+        if self.schedule is Schedule.SPLIT:
+            k = self.num_rollout_devices
+            return Allocation.of({"rollout": self.devices[:k], "trainer": self.devices[k:]})
+        return Allocation.of({"rollout": self.devices, "trainer": ()})
+
+    def learner_phase(self) -> Allocation:
+        """The allocation once the rollout is done."""
+        if self.schedule is Schedule.SPLIT:
+            return self.rollout_phase()
+        return Allocation.of({"rollout": (), "trainer": self.devices})
+
+
+def reference_components(
+    setup: ReferenceSetup,
+    plan: RunPlan,
+    *,
+    profiles: Mapping[str, ComponentProfile] | None = None,
+) -> list[ComponentSpec]:
+    """The rollout and trainer components of a reference job, placed for ``plan`` at the
+    start (the trainer active on its home devices, where it creates its state)."""
+    profiles = profiles or {}
+    options = setup.to_options()
+    home = plan.home
+    start = {d for d in plan.devices if d not in home}
+    return [
+        ComponentSpec(
+            role=ReferenceRollout,
+            devices=tuple(sorted(start)),
+            options=options,
+            profile=profiles.get("rollout"),
+            max_inflight=setup.engine.num_slots,
+            min_devices=1,
+        ),
+        ComponentSpec(
+            role=ReferenceTrainer,
+            devices=home,
+            options=options,
+            profile=profiles.get("trainer"),
+            min_devices=0,
+        ),
+    ]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DriverProgress:
+    """What the driver is doing (for live displays)."""
+
+    step: int
+    """Step in progress (0-based)."""
+    phase: str
+    """``rollout``, ``learn``, ``step``, ``sync`` or ``switch``."""
+    done: int
+    """Episodes scored in this step."""
+    total: int
+    """Episodes of this step."""
+    learned: int
+    """Micro-batches learned in this step."""
+    num_micros: int
+    """Micro-batches of this step."""
+    allocation: dict[str, list[int]]
+    """Devices per component now."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepReport:
+    """What one GRPO step did."""
+
+    step: int
+    """Step index."""
+    mean_reward: float
+    """Mean reward of its episodes."""
+    rewards: tuple[float, ...]
+    """Reward of every episode, in update order."""
+    loss: float
+    """Training loss of the step."""
+    kl: float
+    """KL to the reference policy."""
+    grad_norm: float
+    """Gradient norm before clipping."""
+    version: int
+    """Weight version after the step."""
+    checksum: str
+    """SHA-256 of the trainer state after the step (every rank agreed)."""
+    manifest: tuple[str, ...]
+    """Sample ids in update order (micro-batch order, ids ascending within one)."""
+    micro_sizes: tuple[int, ...]
+    """Samples per micro-batch, in order (the composition)."""
+    wall_s: float
+    """Seconds of the whole step, the switch back to the rollout included."""
+    rollout_s: float
+    """Seconds from the first request to the last scored episode."""
+    learned_early: int
+    """Micro-batches the trainer learned before the last episode was in."""
+    resumed: int
+    """Generations aborted by a move and resumed elsewhere."""
+    mean_response_tokens: float
+    """Mean response length, tokens."""
+    max_response_tokens: int
+    """Longest response, tokens."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase: rollout, barrier, learn, step, sync, switch."""
+
+
+Observer = Callable[[DriverProgress], None]
+
+
+class GRPODriver:
+    """GRPO steps on ``job`` under ``plan`` (see the module docstring).
+
+    ``chunk_micros``: micro-batches one trainer rank learns per call (short calls let a
+    move of the trainer start soon). ``observer`` is called on every change of progress.
+    """
+
+    def __init__(
+        self,
+        job: Job,
+        setup: ReferenceSetup,
+        plan: RunPlan,
+        *,
+        num_prompts: int,
+        chunk_micros: int = 1,
+        observer: Observer | None = None,
+    ) -> None:
+        if num_prompts < 1 or chunk_micros < 1:
+            raise ValueError("GRPODriver needs num_prompts >= 1 and chunk_micros >= 1")
+        self.job, self.setup, self.plan = job, setup, plan
+        self.num_prompts, self.chunk_micros = num_prompts, chunk_micros
+        self.observer = observer
+        self.task = setup.make_task()
+        self.tool = ToolWorker(latency=setup.tool_latency, seed=setup.seed)
+        self.version = 0
+        self._phase, self._step = "switch", 0
+        self._episodes: Episodes | None = None
+        self._learned: set[int] = set()
+
+    # ------------------------------------------------------------------ phases
+
+    async def prepare(self) -> None:
+        """Put the devices in the rollout phase (before the first step's clock starts)."""
+        await self._enter_rollout()
+        await self._check_versions()
+
+    def _progress(self, phase: str | None = None) -> None:
+        if phase is not None:
+            self._phase = phase
+        if self.observer is None:
+            return
+        eps = self._episodes
+        self.observer(
+            DriverProgress(
+                step=self._step,
+                phase=self._phase,
+                done=eps.num_done if eps is not None else 0,
+                total=eps.num_samples if eps is not None else 0,
+                learned=len(self._learned),
+                num_micros=eps.num_groups if eps is not None else 0,
+                allocation=self.job.allocation.as_dict(),
+            )
+        )
+
+    async def _reach(self, target: Allocation) -> None:
+        """Move to ``target`` (retrying a command the scheduler's last move made stale)."""
+        for _ in range(5):
+            if self.job.allocation == target:
+                return
+            outcome = await self.job.reallocate(target)
+            self._progress()
+            if outcome.ok:
+                return
+            if not outcome.reason.startswith("stale"):
+                raise BackendError(f"move to {target.as_dict()} failed: {outcome.reason}")
+        raise BackendError(f"could not reach {target.as_dict()}")
+
+    async def _enter_rollout(self) -> None:
+        self._progress("switch")
+        plan, now = self.plan, self.job.allocation
+        target = plan.rollout_phase()
+        if plan.schedule is Schedule.DYNARL and set(now.devices("trainer")) - set(plan.home):
+            # The trainer keeps its state on its home device only: shrink by P2P first.
+            rest = tuple(d for d in plan.devices if d not in plan.home)
+            await self._reach(Allocation.of({"rollout": rest, "trainer": plan.home}))
+        await self._reach(target)
+
+    async def _enter_learner(self) -> None:
+        plan, now = self.plan, self.job.allocation
+        if plan.schedule is Schedule.SPLIT:
+            return
+        if plan.schedule is Schedule.DYNARL and not now.devices("trainer"):
+            # Wake the trainer where its state sleeps, then grow it by P2P.
+            rest = tuple(d for d in plan.devices if d not in plan.home)
+            await self._reach(Allocation.of({"rollout": rest, "trainer": plan.home}))
+        await self._reach(plan.learner_phase())
+
+    async def _check_versions(self) -> None:
+        results = await self.job.call("rollout", "weight_version")
+        stale = {r.device: r.values.get("version") for r in results}
+        if any(v != self.version for v in stale.values()):
+            raise BackendError(f"rollout engines hold versions {stale}, expected {self.version}")
+
+    # ------------------------------------------------------------------ a step
+
+    async def train_step(self, step: int) -> StepReport:
+        """Run GRPO step ``step``; raises BackendError when a move, a call or a sample fails."""
+        began = time.perf_counter()
+        self._step, self._learned = step, set()
+        dynarl = self.plan.schedule is Schedule.DYNARL
+        problems = self.task.problems(step=step, num_problems=self.num_prompts)
+        episodes = self._episodes = Episodes(self.setup, self.task, step, problems)
+        ready: list[int] = []
+        changed = asyncio.Event()
+        self.job.new_iteration()
+        self.job.set_remaining("trainer", 0)
+        self._progress("rollout")
+        if dynarl:
+            self.job.operator("act", "rollout phase")
+        self.job.submit("rollout", episodes.first_requests())
+        phases: dict[str, float] = {}
+        async with asyncio.TaskGroup() as group:
+            learner = group.create_task(self._learn(episodes, ready, changed))
+            await self._collect(episodes, ready, changed, group)
+            phases["rollout"] = time.perf_counter() - began
+            learned_early = len(self._learned)
+            if dynarl:
+                self.job.operator("observe_only", "learner phase")
+            mark = time.perf_counter()
+            self._progress("learn")
+            await self._enter_learner()
+            phases["barrier"] = time.perf_counter() - mark
+            changed.set()
+            await learner
+        mark = time.perf_counter()
+        phases["learn"] = mark - began - phases["rollout"] - phases["barrier"]
+        stats = await self._apply(episodes)
+        phases["step"] = time.perf_counter() - mark
+        mark = time.perf_counter()
+        await self._sync(step)
+        phases["sync"] = time.perf_counter() - mark
+        mark = time.perf_counter()
+        await self._enter_rollout()
+        await self._check_versions()
+        phases["switch"] = time.perf_counter() - mark
+        return self._record(step, episodes, stats, began, phases, learned_early)
+
+    async def _collect(
+        self,
+        episodes: Episodes,
+        ready: list[int],
+        changed: asyncio.Event,
+        group: asyncio.TaskGroup,
+    ) -> None:
+        output = self.job.output("rollout")
+        timeout = self.job.controller.config.item_timeout_s
+        while episodes.num_done < episodes.num_samples:
+            sample = await output.get(timeout=timeout)
+            if sample.metadata.get("finish") == "error":
+                raise BackendError(f"generation {sample.sample_id} failed: {sample.metadata}")
+            call = episodes.absorb(sample)
+            if call is not None:
+                group.create_task(self._call_tool(episodes, call))
+            fresh = episodes.complete_groups()
+            if fresh:
+                ready.extend(fresh)
+                self.job.set_remaining("trainer", len(ready) - len(self._learned))
+                changed.set()
+            self._progress()
+
+    async def _call_tool(self, episodes: Episodes, call: ToolCall) -> None:
+        result = await self.tool.call(call.expression, call_id=call.call_id)
+        request = episodes.tool_result(call, result.output)
+        if request is not None:
+            self.job.submit("rollout", [request])
+
+    async def _learn(self, episodes: Episodes, ready: list[int], changed: asyncio.Event) -> None:
+        """Learn complete micro-batches whenever the trainer holds devices."""
+        total = episodes.num_groups
+        while len(self._learned) < total:
+            pending = [g for g in ready if g not in self._learned]
+            devices = self.job.allocation.devices("trainer")
+            if not pending or not devices:
+                changed.clear()
+                try:
+                    async with asyncio.timeout(0.05):
+                        await changed.wait()
+                except TimeoutError:
+                    pass
+                continue
+            chunk = pending[: max(1, len(devices)) * self.chunk_micros]
+            samples = [s for g in chunk for s in episodes.micro_batch(g)]
+            results = await self.job.call(
+                "trainer", "learn", samples, num_samples=episodes.num_samples
+            )
+            for result in results:
+                done = str(result.values.get("computed", ""))
+                self._learned.update(int(g) for g in done.split(",") if g)
+            self.job.set_remaining("trainer", len(ready) - len(self._learned))
+            self._progress()
+
+    async def _apply(self, episodes: Episodes) -> dict[str, MetaValue]:
+        self._progress("step")
+        results = await self.job.call(
+            "trainer",
+            "step",
+            num_micros=episodes.num_groups,
+            num_samples=episodes.num_samples,
+        )
+        first = _agreed(results, "checksum")
+        version = first.values.get("version")
+        self.version = int(version) if isinstance(version, int) else self.version + 1
+        return dict(first.values)
+
+    async def _sync(self, step: int) -> None:
+        """Weights to every engine: local copies where the trainer lives, transfers
+        planned by the migrate planner to engines elsewhere."""
+        self._progress("sync")
+        allocation = self.job.allocation
+        trainer, rollout = allocation.devices("trainer"), allocation.devices("rollout")
+        targets = ",".join(map(str, sorted(set(trainer) | set(rollout))))
+        tag = f"s{step}-v{self.version}"
+        calls = [self.job.call("trainer", "sync_weights", rollout=targets, tag=tag)]
+        if rollout:
+            calls.append(
+                self.job.call(
+                    "rollout",
+                    "receive_weights",
+                    trainer=",".join(map(str, trainer)),
+                    rollout=targets,
+                    tag=tag,
+                    version=self.version,
+                )
+            )
+        await asyncio.gather(*calls)
+
+    def _record(
+        self,
+        step: int,
+        episodes: Episodes,
+        stats: Mapping[str, MetaValue],
+        began: float,
+        phases: dict[str, float],
+        learned_early: int,
+    ) -> StepReport:
+        micros = [episodes.micro_batch(g) for g in range(episodes.num_groups)]
+        order = [s for micro in micros for s in micro]
+        lengths = [_response_len(s) for s in order]
+        rewards = tuple(float(s.reward or 0.0) for s in order)
+        resumed = sum(int(s.metadata.get("resumed", 0) or 0) for s in order)
+        record = StepReport(
+            step=step,
+            mean_reward=sum(rewards) / len(rewards),
+            rewards=rewards,
+            loss=_float(stats.get("loss")),
+            kl=_float(stats.get("kl")),
+            grad_norm=_float(stats.get("grad_norm")),
+            version=self.version,
+            checksum=str(stats.get("checksum", "")),
+            manifest=tuple(s.sample_id for s in order),
+            micro_sizes=tuple(len(m) for m in micros),
+            wall_s=time.perf_counter() - began,
+            rollout_s=phases["rollout"],
+            learned_early=learned_early,
+            resumed=resumed,
+            mean_response_tokens=sum(lengths) / len(lengths),
+            max_response_tokens=max(lengths),
+            phases=phases,
+        )
+        logger.info(
+            "%s step %d: reward %.3f loss %.4f in %.2f s (%d micro-batches learned early)",
+            self.plan.label,
+            step,
+            record.mean_reward,
+            record.loss,
+            record.wall_s,
+            learned_early,
+        )
+        return record
+
+
+def _agreed(results: Sequence[CallResult], key: str) -> CallResult:
+    if not results:
+        raise BackendError("the trainer holds no device")
+    values = {str(r.values.get(key)) for r in results}
+    if len(values) != 1:
+        raise BackendError(f"trainer ranks disagree on {key}: {sorted(values)}")
+    return results[0]
+
+
+def _float(value: MetaValue) -> float:
+    return float(value) if isinstance(value, int | float) else float("nan")
+
+
+def _response_len(sample: Sample) -> int:
+    return len(sample.token_ids) // 4 - sample.prompt_len
