@@ -159,6 +159,38 @@ def test_checksums_catch_a_corrupted_destination(spawn_ranks: Any) -> None:
     assert results[1] == (False, ["[0:2, 0:4]"])
 
 
+def padded_worker(rank: int, world: int, port: int) -> tuple[bool, bool]:
+    """Views that the plan's geometry calls contiguous but that are not (rows of a padded
+    tensor) are staged; contiguous ones go in place, even when cut mid-row."""
+    store = _store(rank, world, port)
+    t = TensorSpec(name="t", shape=(8, 16), dtype="float32")
+    halves = [Region(offsets=(4 * i, 0), sizes=(4, 16)) for i in range(2)]
+    src = [Shard(tensor="t", rank=0, region=t.full())]
+    dst = [Shard(tensor="t", rank=1, region=h) for h in halves]
+    plan = plan_reshard({"t": t}, src, dst)
+    full = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    padded = torch.full((8, 19), -1.0)
+    padded[:, :16] = full
+    sources = {src[0]: padded[:, :16]} if rank == 0 else {}
+    out_padded = torch.full((4, 19), -1.0)
+    out_plain = torch.zeros(4, 16)
+    destinations = {dst[0]: out_padded[:, :16], dst[1]: out_plain} if rank == 1 else {}
+    group = build_group(store, name="test/padded", ranks=(0, 1), rank=rank)
+    config = ExecutorConfig(chunk_bytes=40, direct_bytes=1, timeout_s=30)
+    report = execute_plan(
+        plan, rank=rank, group=group, sources=sources, destinations=destinations, config=config
+    )
+    group.close()
+    if rank == 0:
+        return report.verified, bool((padded[:, 16:] == -1).all())
+    exact = same_bits(out_padded[:, :16], full[:4]) and same_bits(out_plain, full[4:])
+    return report.verified and exact, bool((out_padded[:, 16:] == -1).all())
+
+
+def test_strided_views_are_staged_and_contiguous_ones_cut_mid_row(spawn_ranks: Any) -> None:
+    assert spawn_ranks(padded_worker, 2) == [(True, True), (True, True)]
+
+
 def timeout_worker(rank: int, world: int, port: int) -> str:
     """Rank 1 joins the group but never sends: rank 0's wait times out."""
     store = _store(rank, world, port)
