@@ -3,7 +3,8 @@
 Every rank of the plan builds a :class:`PlanExecutor` with the same plan and a group over
 the plan's ranks. :meth:`PlanExecutor.prepare` (before the trainer pauses) derives the
 message schedule from the plan alone (:mod:`.schedule`: both ends agree without exchanging
-sizes) and allocates and touches the staging buffers. :meth:`PlanExecutor.run` (during the
+sizes), allocates and touches the staging buffers, and warms every connection up with a
+small exchange (transports set connections up lazily). :meth:`PlanExecutor.run` (during the
 pause) sends in rounds of at most ``chunk_bytes`` per peer and direction. A direct message
 travels straight from the source shard and into the destination shard where those views
 are contiguous (through a staging buffer otherwise); packed messages gather small items.
@@ -70,12 +71,16 @@ class ExecutorConfig:
     """Checksum remote pieces at both ends and compare local copies bitwise."""
     checksum_threads: int = 2
     """Threads computing checksums (CRC-32 releases the GIL), overlapping the network."""
+    warmup_bytes: int = 4 << 20
+    """Bytes :meth:`PlanExecutor.prepare` exchanges with each peer (per direction the plan
+    uses, at most what the plan sends there) so that the transport's lazy connection setup
+    happens before the pause; 0 skips it (prepare then does not communicate)."""
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < ALIGN or self.direct_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= {ALIGN} and direct_bytes >= 1")
-        if self.timeout_s <= 0 or self.checksum_threads < 1:
-            raise ValueError("timeout_s must be > 0 and checksum_threads >= 1")
+        if self.timeout_s <= 0 or self.checksum_threads < 1 or self.warmup_bytes < 0:
+            raise ValueError("timeout_s must be > 0, checksum_threads >= 1, warmup_bytes >= 0")
 
 
 def execute_plan(
@@ -130,11 +135,14 @@ class PlanExecutor:
         destinations: Mapping[Shard, torch.Tensor],
         sources: Mapping[Shard, torch.Tensor] | None = None,
     ) -> None:
-        """Index the destination views and allocate (and touch) the staging buffers.
+        """Index the destination views, allocate (and touch) the staging buffers, and warm
+        the connections up (see ``ExecutorConfig.warmup_bytes``).
 
         ``sources``, when given, lets large non-contiguous sends be staged now too (their
-        views are looked up again at :meth:`run`). Runs before the pause; raises ValueError
-        for a missing or misshaped view.
+        views are looked up again at :meth:`run`). Runs before the pause, on every rank of
+        the plan at about the same time (the warm-up waits for the peers, at most
+        ``timeout_s``). Raises ValueError for a missing or misshaped view, MigrationError
+        when the warm-up fails.
         """
         self._dst = view_index(self.plan.dst, destinations, self.rank, "destination")
         src = view_index(self.plan.src, sources, self.rank, "source") if sources else None
@@ -151,6 +159,33 @@ class PlanExecutor:
                 self._buffers[message] = torch.zeros(
                     message.nbytes, dtype=torch.uint8, device=device
                 )
+        if self.config.warmup_bytes:
+            self._warm_up(device)
+
+    def _warm_up(self, device: torch.device) -> None:
+        """Exchange up to ``warmup_bytes`` with every peer, in each direction the plan uses.
+
+        Transports set connections up lazily: NCCL builds a pair's channel on its first
+        send, and a fresh TCP connection (gloo) starts with small socket buffers that grow
+        as data flows. Without this the pause pays for it.
+        """
+        sizes = {
+            (outgoing, peer): min(
+                self.config.warmup_bytes, sum(m.nbytes for r in rounds for m in r)
+            )
+            for outgoing, table in ((True, self.schedule.sends), (False, self.schedule.recvs))
+            for peer, rounds in table.items()
+        }
+        ops = [
+            self._op(
+                dist.isend if outgoing else dist.irecv,
+                torch.zeros(n, dtype=torch.uint8, device=device),
+                peer,
+                0,
+            )
+            for (outgoing, peer), n in sorted(sizes.items(), key=lambda kv: kv[0][0])
+        ]
+        wait(post(ops, "warm-up"), self.config.timeout_s, "warm-up")
 
     def run(self, sources: Mapping[Shard, torch.Tensor]) -> TransferReport:
         """Move the data (the old state is only read). Raises MigrationError when a wait

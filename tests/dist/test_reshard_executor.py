@@ -27,7 +27,7 @@ from dynarl.migrate import (
     plan_reshard,
     trainer_layout,
 )
-from dynarl.migrate.executor import ExecutorConfig, checksum, execute_plan
+from dynarl.migrate.executor import ExecutorConfig, PlanExecutor, checksum, execute_plan
 from dynarl.migrate.groups import CommGroup, build_group
 
 pytestmark = pytest.mark.dist
@@ -191,29 +191,37 @@ def test_strided_views_are_staged_and_contiguous_ones_cut_mid_row(spawn_ranks: A
     assert spawn_ranks(padded_worker, 2) == [(True, True), (True, True)]
 
 
-def timeout_worker(rank: int, world: int, port: int) -> str:
-    """Rank 1 joins the group but never sends: rank 0's wait times out."""
+def timeout_worker(rank: int, world: int, port: int) -> list[str]:
+    """Rank 1 joins the group but never sends: rank 0's warm-up in prepare times out, and
+    without a warm-up (prepare then does not communicate) its wait in run times out."""
     store = _store(rank, world, port)
     t = TensorSpec(name="t", shape=(8,), dtype="float32")
     src = [Shard(tensor="t", rank=1, region=t.full())]
     dst = [Shard(tensor="t", rank=0, region=t.full())]
     plan = plan_reshard({"t": t}, src, dst)
     group: CommGroup = build_group(store, name="test/timeout", ranks=(0, 1), rank=rank)
-    outcome = "sent nothing"
+    outcomes = []
     if rank == 0:
-        try:
-            execute_plan(plan, rank=0, group=group, sources={}, destinations={dst[0]: torch.zeros(8)}, config=ExecutorConfig(timeout_s=1.0))
-            outcome = "completed"
-        except MigrationError as exc:
-            outcome = f"MigrationError: {exc}"
+        for warmup in (1 << 20, 0):
+            config = ExecutorConfig(timeout_s=1.0, warmup_bytes=warmup)
+            executor = PlanExecutor(plan, rank=0, group=group, config=config)
+            try:
+                executor.prepare({dst[0]: torch.zeros(8)})
+                outcomes.append("prepared")
+                executor.run({})
+                outcomes.append("completed")
+            except MigrationError as exc:
+                outcomes.append(f"MigrationError: {exc}")
     store.set(f"done/{rank}", "1")
     store.wait([f"done/{1 - rank}"], timedelta(seconds=30))
-    return outcome
+    return outcomes
 
 
 def test_a_silent_peer_times_out(spawn_ranks: Any) -> None:
-    results = spawn_ranks(timeout_worker, 2)
-    assert results[0].startswith("MigrationError"), results[0]
+    warm, prepared, cold = spawn_ranks(timeout_worker, 2)[0]
+    assert warm.startswith("MigrationError: reshard warm-up"), warm
+    assert prepared == "prepared"
+    assert cold.startswith("MigrationError: reshard round 0"), cold
 
 
 def test_checksum_is_position_sensitive() -> None:
