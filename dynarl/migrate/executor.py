@@ -71,10 +71,11 @@ class ExecutorConfig:
     """Checksum remote pieces at both ends and compare local copies bitwise."""
     checksum_threads: int = 2
     """Threads computing checksums (CRC-32 releases the GIL), overlapping the network."""
-    warmup_bytes: int = 4 << 20
+    warmup_bytes: int = 64 << 10
     """Bytes :meth:`PlanExecutor.prepare` exchanges with each peer (per direction the plan
-    uses, at most what the plan sends there) so that the transport's lazy connection setup
-    happens before the pause; 0 skips it (prepare then does not communicate)."""
+    uses, at most what the plan sends there) so that the transport's lazy setup (NCCL's
+    communicator and per-peer connections) happens before the pause; 0 skips it (prepare
+    then does not communicate)."""
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < ALIGN or self.direct_bytes < 1:
@@ -165,9 +166,9 @@ class PlanExecutor:
     def _warm_up(self, device: torch.device) -> None:
         """Exchange up to ``warmup_bytes`` with every peer, in each direction the plan uses.
 
-        Transports set connections up lazily: NCCL builds a pair's channel on its first
-        send, and a fresh TCP connection (gloo) starts with small socket buffers that grow
-        as data flows. Without this the pause pays for it.
+        NCCL creates a group's communicator and connects each pair on first use; without
+        this the first round of the pause pays for it. Gloo connects when the group is built
+        (warming its sockets up with more data did not measurably speed the pause up).
         """
         sizes = {
             (outgoing, peer): min(
@@ -236,8 +237,9 @@ class PlanExecutor:
         unpack, checksum.
 
         One batch per round: NCCL needs a round's sends and receives in one group, and on
-        CPU overlapping packing or unpacking with the transfer does not pay (they compete
-        with the loopback transport for the same cores; measured in ``bench/reshard.py``).
+        CPU posting while still packing, or unpacking while still receiving, did not pay
+        when measured (the copies compete with the loopback transport for the same cores;
+        gloo even writes a send inside the posting call when its receive is posted).
         Source checksums overlap the transfer on CUDA (device work beside the NCCL DMA); on
         CPU they follow it, for the same reason.
         """
