@@ -21,7 +21,10 @@ Runs on every rank of the plan, in the trainer's thread; blocks until done or ti
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -70,7 +73,11 @@ class ExecutorConfig:
     verify: bool = True
     """Checksum remote pieces at both ends and compare local copies bitwise."""
     checksum_threads: int = 2
-    """Threads computing checksums (CRC-32 releases the GIL), overlapping the network."""
+    """Threads computing checksums (CRC-32 releases the GIL) and, on CPU, the local copies."""
+    background_nice: int = 10
+    """On CPU, how much lower (Linux thread niceness) the priority of the threads that
+    checksum and copy locally is, so that transport threads get busy cores first; 0 keeps
+    them at the caller's."""
     warmup_bytes: int = 64 << 10
     """Bytes :meth:`PlanExecutor.prepare` exchanges with each peer (per direction the plan
     uses, at most what the plan sends there) so that the transport's lazy setup (NCCL's
@@ -82,6 +89,8 @@ class ExecutorConfig:
             raise ValueError(f"chunk_bytes must be >= {ALIGN} and direct_bytes >= 1")
         if self.timeout_s <= 0 or self.checksum_threads < 1 or self.warmup_bytes < 0:
             raise ValueError("timeout_s must be > 0, checksum_threads >= 1, warmup_bytes >= 0")
+        if not 0 <= self.background_nice <= 19:
+            raise ValueError(f"background_nice must be in [0, 19], got {self.background_nice}")
 
 
 def execute_plan(
@@ -204,7 +213,12 @@ class PlanExecutor:
                         region_view(src, item, item.region)
                     )
 
-        with ThreadPoolExecutor(self.config.checksum_threads) as pool:
+        # On CPU the checksums and local copies run in threads of lower priority: on busy
+        # cores they would otherwise slow the transport threads of ranks still receiving.
+        nice = 0 if cuda else self.config.background_nice
+        with ThreadPoolExecutor(
+            self.config.checksum_threads, initializer=functools.partial(_lower_priority, nice)
+        ) as pool:
             sums = _Sums()
             # On CUDA local copies overlap the first round; on CPU they follow the rounds
             # (a memcpy and the loopback transport would compete for the same cores).
@@ -212,11 +226,14 @@ class PlanExecutor:
             for index in range(self.num_rounds):
                 meanwhile = copy_local if overlap and index == 0 else None
                 self._round(index, src, pool, timer, sums, cuda=cuda, meanwhile=meanwhile)
-            if not overlap:
-                copy_local()
+            copied = None if overlap else pool.submit(copy_local)
             if self.config.verify:
                 with timer.checksum:
                     mismatched |= self._exchange_checksums(sums)
+            if copied is not None:
+                copied.result()
+            if self.config.verify:
+                with timer.checksum:
                     mismatched |= {
                         s for s in pool.map(lambda i: self._local_differs(src, i), local) if s
                     }
@@ -417,6 +434,14 @@ class PlanExecutor:
             done_at=tuple(timer.done),
             mismatched=tuple(sorted(mismatched, key=lambda s: (s.tensor, s.region.offsets))),
         )
+
+
+def _lower_priority(nice: int) -> None:
+    """Raise the calling thread's niceness by ``nice`` (Linux: per thread; elsewhere the
+    call would renice the whole process, so it does nothing)."""
+    if nice and sys.platform == "linux":
+        current = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, current + nice))
 
 
 class _Sums:
