@@ -143,7 +143,7 @@ class MegatronTrainer:
         """The trainer layout of ``spec`` for this model. Raises ValueError when the spec's
         dtypes disagree with the model, when it asks for the distributed optimizer on CPU,
         or when the model does not split under it."""
-        want = self.layout_spec(spec.ranks)
+        want = self.layout_spec(spec.ranks[:1])
         if (spec.param_dtype, spec.master_dtype) != (want.param_dtype, want.master_dtype):
             raise ValueError(
                 f"layout dtypes ({spec.param_dtype}, master {spec.master_dtype}) differ from "
