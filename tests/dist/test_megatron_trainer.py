@@ -63,16 +63,32 @@ def batch(step: int, size: int = 6) -> list[Any]:
         prompt = 3
         mask = [False] * prompt + [True] * (length - 1 - prompt)
         old = torch.randn(length - 1, generator=gen).mul(0.1).add(-4.8).tolist()
-        out.append(TrainSample(tokens=tuple(tokens), loss_mask=tuple(mask), advantage=(i % 3) - 1.0, old_logprobs=tuple(old)))
+        out.append(
+            TrainSample(
+                tokens=tuple(tokens),
+                loss_mask=tuple(mask),
+                advantage=(i % 3) - 1.0,
+                old_logprobs=tuple(old),
+            )
+        )
     return out
 
 
 def _numpy(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    return {n: t.detach().cpu().contiguous().view(torch.uint8).numpy().copy() if t.dim() else t.detach().cpu().reshape(1).view(torch.uint8).numpy().copy() for n, t in tensors.items()}
+    return {
+        n: t.detach().cpu().contiguous().view(torch.uint8).numpy().copy()
+        if t.dim()
+        else t.detach().cpu().reshape(1).view(torch.uint8).numpy().copy()
+        for n, t in tensors.items()
+    }
 
 
 def _differs(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
-    return [n for n in sorted(set(a) | set(b)) if n not in a or n not in b or a[n].tobytes() != b[n].tobytes()]
+    return [
+        n
+        for n in sorted(set(a) | set(b))
+        if n not in a or n not in b or a[n].tobytes() != b[n].tobytes()
+    ]
 
 
 def worker(rank: int, world: int, port: int, url: str, hf_dir: str, tmp: str) -> dict[str, Any]:
@@ -89,7 +105,9 @@ def worker(rank: int, world: int, port: int, url: str, hf_dir: str, tmp: str) ->
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=dist.PrefixStore("world", store), rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("world", store), rank=rank, world_size=world
+    )
     out: dict[str, Any] = {"problems": [], "losses": [], "restarted_losses": []}
     problems: list[str] = out["problems"]
     config = MegatronTrainConfig(lr=3e-3, micro_batch_size=2, clip_grad=0.5, device="cpu")
@@ -104,8 +122,12 @@ def worker(rank: int, world: int, port: int, url: str, hf_dir: str, tmp: str) ->
     # test process, one by rank 1's process: two engines cannot share a process, their
     # groups would have the same name) and verifies their /weights_checker checksums.
     sync_config = WeightSyncConfig(
-        master_address="127.0.0.1", master_port=_shared_port(store, rank, "sync-port"), backend="gloo",
-        max_bucket_bytes=16 << 10, weight_version="v3", group_timeout_s=60,
+        master_address="127.0.0.1",
+        master_port=_shared_port(store, rank, "sync-port"),
+        backend="gloo",
+        max_bucket_bytes=16 << 10,
+        weight_version="v3",
+        group_timeout_s=60,
     )
 
     async def sync(urls: list[str]) -> Any:
@@ -118,7 +140,11 @@ def worker(rank: int, world: int, port: int, url: str, hf_dir: str, tmp: str) ->
 
     with contextlib.ExitStack() as stack:
         if rank == 1:
-            fake = stack.enter_context(FakeSGLangServer.running_in_thread(FakeSGLangConfig(step_interval_s=None), weights=engine_weights()))
+            fake = stack.enter_context(
+                FakeSGLangServer.running_in_thread(
+                    FakeSGLangConfig(step_interval_s=None), weights=engine_weights()
+                )
+            )
             store.set("fake-url", fake.url)
         report = asyncio.run(sync([url, store.get("fake-url").decode()]))
         dist.barrier()
@@ -127,7 +153,11 @@ def worker(rank: int, world: int, port: int, url: str, hf_dir: str, tmp: str) ->
     full = trainer.gather(0)
     if rank == 0:
         assert report is not None
-        out["sync"] = {"num_buckets": report.num_buckets, "num_tensors": report.num_tensors, "checksums": list(report.per_engine_checksums)}
+        out["sync"] = {
+            "num_buckets": report.num_buckets,
+            "num_tensors": report.num_tensors,
+            "checksums": list(report.per_engine_checksums),
+        }
         out["hf"] = _numpy(to_hf(full, MODEL))
 
     # Reshards, each checked against a trainer restarted from the gathered state.
@@ -140,7 +170,15 @@ def worker(rank: int, world: int, port: int, url: str, hf_dir: str, tmp: str) ->
             torch.save(before, path)
         dist.barrier()
         dst = trainer.layout_for(trainer.layout_spec((0, 1), **dims))
-        move = P2PMigration(migration_id=f"to-{name}", src=trainer.layout, dst=dst, rank=rank, store=store, epoch=epoch, trainer=trainer)
+        move = P2PMigration(
+            migration_id=f"to-{name}",
+            src=trainer.layout,
+            dst=dst,
+            rank=rank,
+            store=store,
+            epoch=epoch,
+            trainer=trainer,
+        )
         outcomes = [move.prepare(), move.transfer(), move.verify(), move.commit()]
         move.close()
         epoch += 1
@@ -150,7 +188,9 @@ def worker(rank: int, world: int, port: int, url: str, hf_dir: str, tmp: str) ->
             problems.append(f"{name}: state checksum changed by the reshard")
         after = trainer.gather(0, names=names)
         if rank == 0:
-            problems += [f"{name}: reshard changed {n}" for n in _differs(_numpy(before), _numpy(after))]
+            problems += [
+                f"{name}: reshard changed {n}" for n in _differs(_numpy(before), _numpy(after))
+            ]
         if restarted is not None:
             restarted.close()
         restarted = MegatronTrainer(MODEL, config, rank=rank, store=store, specs=trainer.specs)
@@ -177,7 +217,11 @@ def worker(rank: int, world: int, port: int, url: str, hf_dir: str, tmp: str) ->
     loaded = MegatronTrainer(hf_model, config, rank=rank, store=store)
     loaded.start(loaded.layout_spec((0, 1), tp=2), epoch=epoch)
     load_hf_checkpoint(loaded, hf_dir)
-    export_hf_checkpoint(loaded, pathlib.Path(tmp) / "exported", base_config=json.loads((pathlib.Path(hf_dir) / "config.json").read_text()))
+    export_hf_checkpoint(
+        loaded,
+        pathlib.Path(tmp) / "exported",
+        base_config=json.loads((pathlib.Path(hf_dir) / "config.json").read_text()),
+    )
     loaded.close()
     dist.destroy_process_group()
     return out
@@ -193,8 +237,14 @@ def _shared_port(store: Any, rank: int, key: str) -> int:
 def hf_checkpoint(directory: pathlib.Path) -> dict[str, torch.Tensor]:
     """A tiny bf16 Llama checkpoint with random weights, saved as an HF directory."""
     gen = torch.Generator().manual_seed(11)
-    shapes = {name: torch.empty(spec.shape, device="meta") for name, spec in ((s.name, s) for s in describe(MODEL))}
-    tensors = {n: torch.randn(t.shape, generator=gen).to(torch.bfloat16) for n, t in to_hf(shapes, MODEL).items()}
+    shapes = {
+        name: torch.empty(spec.shape, device="meta")
+        for name, spec in ((s.name, s) for s in describe(MODEL))
+    }
+    tensors = {
+        n: torch.randn(t.shape, generator=gen).to(torch.bfloat16)
+        for n, t in to_hf(shapes, MODEL).items()
+    }
     config = hf_config(MODEL) | {"torch_dtype": "bfloat16", "bos_token_id": 1}
     write_hf_tensors(directory, tensors, config)
     return tensors

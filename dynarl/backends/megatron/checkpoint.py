@@ -62,15 +62,16 @@ def model_config_from_hf(config: Mapping[str, Any], **overrides: Any) -> GPTMode
     for key, used in unsupported.items():
         if used:
             raise ValueError(f"HF config field {key}={config.get(key)!r} is not supported")
-    heads = int(config["num_attention_heads"])
+    heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
+    head_dim = config.get("head_dim")
     fields: dict[str, Any] = {
         "num_layers": int(config["num_hidden_layers"]),
-        "hidden_size": int(config["hidden_size"]),
+        "hidden_size": hidden,
         "num_attention_heads": heads,
         "num_query_groups": int(config.get("num_key_value_heads", heads)),
         "ffn_hidden_size": int(config["intermediate_size"]),
         "vocab_size": int(config["vocab_size"]),
-        "head_dim": config.get("head_dim"),
+        "head_dim": None if head_dim in (None, hidden // heads) else int(head_dim),
         "max_sequence_length": int(config.get("max_position_embeddings", 2048)),
         "norm_epsilon": float(config.get("rms_norm_eps", 1e-6)),
         "rotary_base": float(config.get("rope_theta", 10000.0)),
