@@ -133,8 +133,10 @@ async def sync_weights(
     gather_s = time.perf_counter() - began
     if trainer.rank != root:
         return None
+    # Gloo broadcasts host memory; NCCL device memory (push_weights moves each bucket).
+    device = "cpu" if config.backend == "gloo" else None
     hf = {
-        name: (t.to(dtype) if dtype is not None else t).contiguous()
+        name: t.to(device=device, dtype=dtype).contiguous()
         for name, t in to_hf(full, trainer.model_config).items()
     }
     tp_sizes = list(engine_tp_sizes) if engine_tp_sizes is not None else [1] * len(clients)
