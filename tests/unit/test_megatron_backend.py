@@ -183,6 +183,62 @@ def test_trainer_refuses_what_the_cpu_cannot_run(solo: Any) -> None:
         trainer(solo, bf16)
 
 
+class StubGroup:
+    """A data-parallel group seen from ``rank``: Megatron's DDP buffers ask only these."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_distributed_optimizer_ranges_are_checked_against_megatrons(solo: Any) -> None:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from dynarl.backends.megatron.instance import distributed_optimizer_mismatches
+    from dynarl.backends.megatron.model import pg_collection
+    from dynarl.migrate import trainer_layout
+    from dynarl.migrate.megatron_layout import param_names
+
+    one = trainer(solo)
+    try:
+        assert one.module is not None and one._current is not None
+        # Megatron's own buffers and range map for data-parallel rank 1 of 2.
+        groups = pg_collection(one._current.groups)
+        for kind in ("dp", "dp_cp", "intra_dp_cp"):
+            setattr(groups, kind, StubGroup(1, 2))
+        ddp = DistributedDataParallel(
+            config=one.module.config,
+            ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True),
+            module=one.module,
+            pg_collection=groups,
+        )
+        names = {id(p): name for _, name, p in param_names(one.module)}
+        (buckets,) = DistributedOptimizer._build_gbuf_range_map(ddp.buffers[0]).values()
+        theirs = {
+            names[id(p)]: (r["param"].start, r["param"].end)
+            for bucket in buckets
+            for p, r in bucket["param_map"].items()
+        }
+        assert 0 < len(theirs) < len(names)  # rank 1 owns part of the buffer
+        layout = trainer_layout(
+            one.specs, LayoutSpec(ranks=(5, 0), dp=2, distributed_optimizer=True)
+        )
+        assert distributed_optimizer_mismatches(one.module, layout, 0, theirs) == []
+        name, (start, end) = next(iter(theirs.items()))
+        bad = theirs | {name: (start, end - 1)}
+        assert distributed_optimizer_mismatches(one.module, layout, 0, bad) == [
+            f"{name}: optimizer {(start, end - 1)}, layout {(start, end)} {(end - start,)}"
+        ]
+    finally:
+        one.close()
+
+
 def test_trainer_needs_a_distributed_job() -> None:
     with pytest.raises(ValueError, match="initialised"):
         MegatronTrainer(LLAMA, CPU, rank=0, store=dist.HashStore())  # type: ignore[attr-defined]

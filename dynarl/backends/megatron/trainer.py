@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -34,15 +33,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from dynarl.backends.megatron.config import GPTModelConfig, MegatronTrainConfig
-from dynarl.backends.megatron.model import (
-    build_gpt,
-    describe,
-    import_megatron,
-    pg_collection,
-    set_tp_attributes,
-    wrap_ddp,
-)
-from dynarl.backends.megatron.optimizer import CPUAdamW, MegatronAdamW, TrainerOptimizer
+from dynarl.backends.megatron.instance import LayoutInstance, build_instance
+from dynarl.backends.megatron.model import describe, import_megatron
 from dynarl.backends.megatron.steps import LossFn, grpo_loss, run_micro_batches, sft_loss
 from dynarl.backends.reference.grpo import TrainSample
 from dynarl.backends.reference.trainer import StepStats
@@ -58,34 +50,12 @@ from dynarl.migrate import (
     execute_plan,
     install_parallel_state,
     plan_reshard,
-    sharded_state_dict_mismatches,
     trainer_layout,
 )
 
 __all__ = ["MegatronTrainer"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True, slots=True)
-class _LayoutState:
-    """The live objects of one layout on this rank."""
-
-    layout: Layout
-    groups: LayoutGroups
-    module: torch.nn.Module
-    ddp: torch.nn.Module
-    optimizer: TrainerOptimizer
-    gather_group: CommGroup | None = None
-
-    def views(self, rank: int) -> dict[Shard, torch.Tensor]:
-        tensors = self.optimizer.state_tensors()
-        return {p.shard: p.view(tensors[p.shard.tensor]) for p in self.layout.placements_on(rank)}
-
-    def close(self) -> None:
-        if self.gather_group is not None:
-            self.gather_group.close()
-        self.groups.close()
 
 
 class MegatronTrainer:
@@ -113,8 +83,8 @@ class MegatronTrainer:
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.specs: list[ParamSpec] = list(specs) if specs is not None else describe(model)
         self.version = 0
-        self._current: _LayoutState | None = None
-        self._pending: _LayoutState | None = None
+        self._current: LayoutInstance | None = None
+        self._pending: LayoutInstance | None = None
         self._timeout = timedelta(seconds=config.group_timeout_s)
 
     # ------------------------------------------------------------------ layouts
@@ -188,53 +158,17 @@ class MegatronTrainer:
         self._install()
         logger.info("rank %d started layout %s (epoch %d)", self.rank, layout.name, epoch)
 
-    def _build(self, layout: Layout, groups: LayoutGroups, *, init: bool) -> _LayoutState:
-        assert layout.spec is not None
-        spec = layout.spec
-        module = build_gpt(
-            self.model_config, spec, groups, rank=self.rank, init=init, device=self.device
+    def _build(self, layout: Layout, groups: LayoutGroups, *, init: bool) -> LayoutInstance:
+        return build_instance(
+            self.model_config,
+            self.config,
+            layout,
+            groups,
+            self.specs,
+            rank=self.rank,
+            init=init,
+            device=self.device,
         )
-        set_tp_attributes(module, self.specs)
-        if not init:
-            with torch.no_grad():
-                for param in module.parameters():
-                    param.zero_()
-        ddp = wrap_ddp(module, spec, groups)
-        optimizer: TrainerOptimizer
-        if self.device.type == "cuda":
-            optimizer = MegatronAdamW(
-                ddp,
-                groups,
-                self.config,
-                distributed=spec.distributed_optimizer,
-                pg_collection=pg_collection(groups),
-            )
-        else:
-            optimizer = CPUAdamW(module, groups, self.config)
-        self._check(module, optimizer, layout, groups)
-        return _LayoutState(
-            layout=layout, groups=groups, module=module, ddp=ddp, optimizer=optimizer
-        )
-
-    def _check(
-        self,
-        module: torch.nn.Module,
-        optimizer: TrainerOptimizer,
-        layout: Layout,
-        groups: LayoutGroups,
-    ) -> None:
-        metadata = {"dp_cp_group": groups.groups["dp"].pg}
-        problems = sharded_state_dict_mismatches(module, layout, self.rank, metadata=metadata)
-        if isinstance(optimizer, MegatronAdamW) and optimizer.distributed:
-            shapes = layout.local_shapes_on(self.rank)
-            ranges = optimizer.param_ranges()
-            for spec in self.specs:
-                size = shapes.get(f"{spec.name}/exp_avg")
-                got = ranges.get(spec.name)
-                if (size is None) != (got is None) or (got and size != (got[1] - got[0],)):
-                    problems.append(f"{spec.name}: optimizer range {got} vs layout {size}")
-        if problems:
-            raise BackendError(f"layout {layout.name} disagrees with Megatron: {problems[:5]}")
 
     def _install(self) -> None:
         from megatron.core import tensor_parallel
@@ -243,7 +177,7 @@ class MegatronTrainer:
         install_parallel_state(self._current.groups)
         tensor_parallel.model_parallel_cuda_manual_seed(self.config.rng_seed)
 
-    def _require(self) -> _LayoutState:
+    def _require(self) -> LayoutInstance:
         if self._current is None:
             raise BackendError(f"rank {self.rank} holds no part of the trainer")
         install_parallel_state(self._current.groups)  # another trainer may share the process
@@ -383,7 +317,7 @@ class MegatronTrainer:
             )
         return out
 
-    def _gather_group(self, state: _LayoutState) -> CommGroup:
+    def _gather_group(self, state: LayoutInstance) -> CommGroup:
         if state.gather_group is None:
             ranks = state.layout.ranks
             name = f"dynarl/{state.groups.epoch}/gather/" + "-".join(map(str, ranks))
