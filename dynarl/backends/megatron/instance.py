@@ -18,9 +18,11 @@ reshard, the one being filled. Runs on each trainer rank.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
+from torch._C._distributed_c10d import Store
 
 from dynarl.backends.megatron.config import GPTModelConfig, MegatronTrainConfig
 from dynarl.backends.megatron.model import build_gpt, pg_collection, set_tp_attributes, wrap_ddp
@@ -33,6 +35,7 @@ from dynarl.migrate import (
     LayoutGroups,
     ParamSpec,
     Shard,
+    build_group,
     dp_buffer,
     dp_param_ranges,
     sharded_state_dict_mismatches,
@@ -56,19 +59,51 @@ class LayoutInstance:
     """Megatron DDP around :attr:`module`."""
     optimizer: TrainerOptimizer
     """The optimizer, exposing its state under layout names."""
-    gather_group: CommGroup | None = None
-    """A group over all the layout's ranks, built by the first gather."""
+    store: Store = field(repr=False)
+    """The job's store (groups are built over prefixes of it)."""
+    timeout: timedelta
+    """Deadline for building a group."""
+    layout_group: CommGroup | None = None
+    """A group over all the layout's ranks (gathers; the distributed optimizer's gradient
+    statistics), built with the instance or by the first gather."""
 
     def views(self, rank: int) -> dict[Shard, torch.Tensor]:
         """Views of this rank's shards (writes go into the model and optimizer state)."""
         tensors = self.optimizer.state_tensors()
         return {p.shard: p.view(tensors[p.shard.tensor]) for p in self.layout.placements_on(rank)}
 
+    def whole_group(self, rank: int) -> CommGroup:
+        """:attr:`layout_group`, built now if needed (collective over the layout's ranks)."""
+        if self.layout_group is None:
+            device = next(self.module.parameters()).device
+            self.layout_group = _layout_group(
+                self.store, self.groups, self.layout, rank, device, self.timeout
+            )
+        return self.layout_group
+
     def close(self) -> None:
         """Destroy the layout's groups (the objects go with the last reference)."""
-        if self.gather_group is not None:
-            self.gather_group.close()
+        if self.layout_group is not None:
+            self.layout_group.close()
         self.groups.close()
+
+
+def _layout_group(
+    store: Store,
+    groups: LayoutGroups,
+    layout: Layout,
+    rank: int,
+    device: torch.device,
+    timeout: timedelta,
+) -> CommGroup:
+    return build_group(
+        store,
+        name=f"dynarl/{groups.epoch}/layout/" + "-".join(map(str, layout.ranks)),
+        ranks=layout.ranks,
+        rank=rank,
+        backend="nccl" if device.type == "cuda" else "gloo",
+        timeout=timeout,
+    )
 
 
 def build_instance(
@@ -81,8 +116,11 @@ def build_instance(
     rank: int,
     init: bool,
     device: torch.device,
+    store: Store,
+    timeout: timedelta,
 ) -> LayoutInstance:
-    """Build and cross-check ``layout`` on this rank (see the module docstring).
+    """Build and cross-check ``layout`` on this rank (see the module docstring); collective
+    over the layout's ranks.
 
     ``init``: draw initial weights; otherwise the state is zeros (touched), ready to be
     written by a reshard. Raises BackendError when Megatron disagrees with the layout.
@@ -96,14 +134,19 @@ def build_instance(
             for param in module.parameters():
                 param.zero_()
     ddp = wrap_ddp(module, spec, groups)
+    whole = None
     optimizer: TrainerOptimizer
     if device.type == "cuda":
+        if spec.distributed_optimizer:
+            # Its gradient statistics are reduced over the whole optimizer instance: every
+            # rank of the layout holds a different slice of the gradients.
+            whole = _layout_group(store, groups, layout, rank, device, timeout)
         optimizer = MegatronAdamW(
             ddp,
             groups,
             config,
             distributed=spec.distributed_optimizer,
-            pg_collection=pg_collection(groups),
+            pg_collection=pg_collection(groups, whole),
         )
     else:
         optimizer = CPUAdamW(module, groups, config)
@@ -112,8 +155,19 @@ def build_instance(
     if isinstance(optimizer, MegatronAdamW) and optimizer.distributed:
         problems += distributed_optimizer_mismatches(module, layout, rank, optimizer.param_ranges())
     if problems:
+        if whole is not None:
+            whole.close()
         raise BackendError(f"layout {layout.name} disagrees with Megatron: {problems[:5]}")
-    return LayoutInstance(layout=layout, groups=groups, module=module, ddp=ddp, optimizer=optimizer)
+    return LayoutInstance(
+        layout=layout,
+        groups=groups,
+        module=module,
+        ddp=ddp,
+        optimizer=optimizer,
+        store=store,
+        timeout=timeout,
+        layout_group=whole,
+    )
 
 
 def distributed_optimizer_mismatches(

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from dynarl.backends.cpu_compat import apply_cpu_shim
 from dynarl.backends.megatron.config import GPTModelConfig
-from dynarl.migrate import LayoutGroups, LayoutSpec, ParamSpec, build_group
+from dynarl.migrate import CommGroup, LayoutGroups, LayoutSpec, ParamSpec, build_group
 from dynarl.migrate.megatron_layout import param_names, param_specs, process_group_collection
 
 __all__ = [
@@ -105,13 +105,14 @@ def _gelu(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x)
 
 
-def pg_collection(groups: LayoutGroups) -> Any:
+def pg_collection(groups: LayoutGroups, whole: CommGroup | None = None) -> Any:
     """The ``ProcessGroupCollection`` of a layout, with the two groups Megatron's optimizer
-    also reads (no expert parallelism: expert TP×PP is model parallelism, and one
-    distributed-optimizer instance spans the data-parallel group)."""
+    also reads: expert TP×PP (no expert parallelism: model parallelism) and the one
+    distributed-optimizer instance, ``whole`` (every rank of the layout; the data-parallel
+    group when not given, for a caller that builds no distributed optimizer)."""
     collection = process_group_collection(groups)
     collection.tp_ep_pp = groups.groups["mp"].pg
-    collection.intra_dist_opt = groups.groups["dp"].pg
+    collection.intra_dist_opt = (whole or groups.groups["dp"]).pg
     return collection
 
 

@@ -40,13 +40,11 @@ from dynarl.backends.reference.grpo import TrainSample
 from dynarl.backends.reference.trainer import StepStats
 from dynarl.errors import BackendError
 from dynarl.migrate import (
-    CommGroup,
     Layout,
     LayoutGroups,
     LayoutSpec,
     ParamSpec,
     Shard,
-    build_group,
     execute_plan,
     install_parallel_state,
     plan_reshard,
@@ -168,6 +166,8 @@ class MegatronTrainer:
             rank=self.rank,
             init=init,
             device=self.device,
+            store=self.store,
+            timeout=self._timeout,
         )
 
     def _install(self) -> None:
@@ -306,7 +306,7 @@ class MegatronTrainer:
         report = execute_plan(
             plan,
             rank=self.rank,
-            group=self._gather_group(state),
+            group=state.whole_group(self.rank),
             sources=sources,
             destinations=destinations,
             config=self.config.transfer,
@@ -316,20 +316,6 @@ class MegatronTrainer:
                 f"gather to rank {root}: checksum mismatch in {report.mismatched[:3]}"
             )
         return out
-
-    def _gather_group(self, state: LayoutInstance) -> CommGroup:
-        if state.gather_group is None:
-            ranks = state.layout.ranks
-            name = f"dynarl/{state.groups.epoch}/gather/" + "-".join(map(str, ranks))
-            state.gather_group = build_group(
-                self.store,
-                name=name,
-                ranks=ranks,
-                rank=self.rank,
-                backend=self.backend,
-                timeout=self._timeout,
-            )
-        return state.gather_group
 
     def state_checksum(self, root: int | None = None) -> str:
         """SHA-256 over every tensor of the trainer state (parameters, master copies, Adam
@@ -354,7 +340,7 @@ class MegatronTrainer:
                     .tobytes()
                 )
             digest.copy_(torch.frombuffer(bytearray(sha.digest()), dtype=torch.uint8))
-        group = self._gather_group(state)
+        group = state.whole_group(self.rank)
         dist.broadcast(digest, group=group.pg, group_src=group.group_rank(root))
         return bytes(digest.cpu().tolist()).hex()
 
