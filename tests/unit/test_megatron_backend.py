@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -396,3 +398,26 @@ def test_package_exports_are_sorted_and_complete() -> None:
     assert exported == sorted(exported)
     for name in exported:
         assert hasattr(megatron_backend, name)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_megatron_optimizer_paths_reshard_bitwise_with_cuda_types_faked(dtype: str) -> None:
+    """tests/unit/megatron_fake_cuda.py in a subprocess (it patches torch process-wide)."""
+    script = pathlib.Path(__file__).with_name("megatron_fake_cuda.py")
+    done = subprocess.run(
+        [sys.executable, str(script), dtype],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["optimizer"] == "DistributedOptimizer"
+    assert result["losses"][-1] < result["losses"][0]
+    plain = "Float16OptimizerWithFloat16Params" if dtype == "bfloat16" else "FP32Optimizer"
+    assert [m["optimizer"] for m in result["moves"]] == [plain, "DistributedOptimizer"]
+    for move in result["moves"]:
+        assert all(
+            move[k] for k in ("ok", "checksum_kept", "restart_equal", "step_equal", "state_equal")
+        ), move

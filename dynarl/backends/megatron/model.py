@@ -154,7 +154,9 @@ def build_gpt(
             post_process=pp_rank == spec.pp - 1,
             pg_collection=pg_collection(groups),
         )
-    module: torch.nn.Module = gpt.to(device)
+    # Megatron's training loop casts a half-precision model whole (Float16Module); the local
+    # spec's torch norms would otherwise stay float32 beside bfloat16 matrices.
+    module: torch.nn.Module = gpt.to(device=device, dtype=model.torch_dtype)
     return module
 
 
