@@ -101,6 +101,7 @@ def worker(rank: int, world: int, port: int, url: str, hf_dir: str, tmp: str) ->
         sync_weights,
     )
     from dynarl.backends.sglang import ClientConfig, SGLangClient, WeightSyncConfig
+    from dynarl.errors import BackendError
     from dynarl.migrate import P2PMigration
 
     torch.set_num_threads(1)
@@ -121,19 +122,18 @@ def worker(rank: int, world: int, port: int, url: str, hf_dir: str, tmp: str) ->
     # Weight sync: every rank gathers; rank 0 pushes to two fake engines (one served by the
     # test process, one by rank 1's process: two engines cannot share a process, their
     # groups would have the same name) and verifies their /weights_checker checksums.
-    sync_config = WeightSyncConfig(
-        master_address="127.0.0.1",
-        master_port=_shared_port(store, rank, "sync-port"),
-        backend="gloo",
-        max_bucket_bytes=16 << 10,
-        weight_version="v3",
-        group_timeout_s=60,
-    )
-
-    async def sync(urls: list[str]) -> Any:
+    async def sync(urls: list[str], port: str, hash_device: Any = "cuda") -> Any:
+        sync_config = WeightSyncConfig(
+            master_address="127.0.0.1",
+            master_port=_shared_port(store, rank, port),
+            backend="gloo",
+            max_bucket_bytes=16 << 10,
+            weight_version="v3",
+            group_timeout_s=60,
+        )
         clients = [SGLangClient(ClientConfig(base_url=url)) for url in urls] if rank == 0 else []
         try:
-            return await sync_weights(trainer, clients, sync_config)
+            return await sync_weights(trainer, clients, sync_config, checksum_device=hash_device)
         finally:
             for client in clients:
                 await client.aclose()
@@ -146,7 +146,15 @@ def worker(rank: int, world: int, port: int, url: str, hf_dir: str, tmp: str) ->
                 )
             )
             store.set("fake-url", fake.url)
-        report = asyncio.run(sync([url, store.get("fake-url").decode()]))
+        urls = [url, store.get("fake-url").decode()]
+        report = asyncio.run(sync(urls, "sync-port"))
+        dist.barrier()
+        # The engines hash with the CUDA kernel's function; expecting SHA-256 must fail.
+        try:
+            asyncio.run(sync(urls, "sync-port-2", hash_device="cpu"))
+            out["wrong_hash"] = "no error"
+        except BackendError as exc:
+            out["wrong_hash"] = str(exc)
         dist.barrier()
         if rank == 1:
             out["engine"] = (_numpy(fake.model.weights), fake.scheduler.weight_version)
@@ -292,6 +300,8 @@ def test_weight_sync_lands_bit_for_bit_on_both_engines(job: dict[str, Any]) -> N
     for weights, version in job["engines"]:
         assert _differs(weights, hf) == []
         assert version == "v3"
+    assert "weights differ after the sync" in job["results"][0]["wrong_hash"]
+    assert job["results"][1]["wrong_hash"] == "no error"  # rank 1 only gathers
 
 
 def test_hf_checkpoint_round_trips_bitwise_through_a_tp2_trainer(job: dict[str, Any]) -> None:

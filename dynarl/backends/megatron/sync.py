@@ -31,6 +31,7 @@ import torch
 from dynarl.backends.megatron.config import GPTModelConfig
 from dynarl.backends.megatron.trainer import MegatronTrainer
 from dynarl.backends.sglang import (
+    ExpectedChecksums,
     HashDevice,
     SGLangClient,
     WeightSyncConfig,
@@ -98,7 +99,8 @@ class SyncReport:
     push_s: float
     """Seconds from group init to group destroyed."""
     verify_s: float
-    """Seconds fetching and comparing ``/weights_checker`` checksums."""
+    """Seconds fetching and comparing ``/weights_checker`` checksums after the push (the
+    expected ones are computed during it)."""
     per_engine_checksums: tuple[str, ...]
     """Each engine's ``per_engine_checksum`` after the sync (equal to the expected ones)."""
 
@@ -141,17 +143,31 @@ async def sync_weights(
     }
     tp_sizes = list(engine_tp_sizes) if engine_tp_sizes is not None else [1] * len(clients)
     plan = plan_weight_sync(hf, engine_tp_sizes=tp_sizes, max_bucket_bytes=config.max_bucket_bytes)
+
+    async def push() -> float:
+        began = time.perf_counter()
+        await push_weights(clients, hf, plan, config)
+        return time.perf_counter() - began
+
+    # The expected checksums depend only on the tensors: hash them while they travel. Both
+    # run to completion; a failed push is raised first (hashing cannot be interrupted).
+    pushed, expected = await asyncio.gather(
+        push(),
+        asyncio.to_thread(_expected, hf, tp_sizes, trainer.model_config, checksum_device),
+        return_exceptions=True,
+    )
+    for outcome in (pushed, expected):
+        if isinstance(outcome, BaseException):
+            raise outcome
+    assert isinstance(pushed, float) and isinstance(expected, list)
     began = time.perf_counter()
-    await push_weights(clients, hf, plan, config)
-    push_s = time.perf_counter() - began
-    began = time.perf_counter()
-    checksums = await _verify(clients, hf, tp_sizes, trainer.model_config, checksum_device)
+    checksums = await _verify(clients, expected)
     report = SyncReport(
         num_tensors=len(hf),
         num_bytes=sum(t.numel() * t.element_size() for t in hf.values()),
         num_buckets=len(plan.buckets),
         gather_s=gather_s,
-        push_s=push_s,
+        push_s=pushed,
         verify_s=time.perf_counter() - began,
         per_engine_checksums=checksums,
     )
@@ -165,25 +181,30 @@ async def sync_weights(
     return report
 
 
-async def _verify(
-    clients: Sequence[SGLangClient],
+def _expected(
     hf: Mapping[str, torch.Tensor],
     tp_sizes: Sequence[int],
     model: GPTModelConfig,
     device: HashDevice,
+) -> list[ExpectedChecksums]:
+    """What each engine's ``/weights_checker`` must report (one computation per TP size)."""
+    by_tp = {
+        tp: expected_checksums(
+            hf, tp_size=tp, num_key_value_heads=model.query_groups, device=device
+        )
+        for tp in sorted(set(tp_sizes))
+    }
+    return [by_tp[tp] for tp in tp_sizes]
+
+
+async def _verify(
+    clients: Sequence[SGLangClient], expected: Sequence[ExpectedChecksums]
 ) -> tuple[str, ...]:
     replies = await asyncio.gather(*(client.weights_checksum() for client in clients))
     out = []
-    for index, (reply, tp) in enumerate(zip(replies, tp_sizes, strict=True)):
-        expected = await asyncio.to_thread(
-            expected_checksums,
-            hf,
-            tp_size=tp,
-            num_key_value_heads=model.query_groups,
-            device=device,
-        )
-        bad = checksum_mismatches(reply, expected)
-        if bad or reply.per_engine_checksum != expected.per_engine:
+    for index, (reply, want) in enumerate(zip(replies, expected, strict=True)):
+        bad = checksum_mismatches(reply, want)
+        if bad or reply.per_engine_checksum != want.per_engine:
             raise BackendError(f"engine {index}: weights differ after the sync in {bad[:5]}")
-        out.append(expected.per_engine)
+        out.append(want.per_engine)
     return tuple(out)
