@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed import distributed_c10d as c10d
 
 import dynarl.backends.megatron as megatron_backend
 from dynarl.backends.megatron import (
@@ -54,9 +55,10 @@ CPU = MegatronTrainConfig(lr=1e-2, micro_batch_size=2, device="cpu")
 
 @pytest.fixture
 def solo() -> Iterator[Any]:
-    """A one-rank job and its store."""
+    """A one-rank job and its store; every process group built in the test must be gone."""
     with solo_process_group():
         yield dist.HashStore()  # type: ignore[attr-defined]
+    assert not c10d._world.pg_map, f"leaked process groups: {list(c10d._world.pg_names.values())}"
 
 
 def trainer(
