@@ -18,6 +18,12 @@ data-parallel rank ``j mod dp``, losses normalised by the policy tokens of the w
 (so DDP sums gradients), GRPO or SFT loss. Pipeline stages are driven one micro-batch at a
 time (no 1F1B interleaving; Megatron's schedules allocate on CUDA only).
 
+Megatron still reads a few process-wide globals (the tensor-parallel group of its
+vocab-parallel cross entropy, the RNG tracker): they are pointed at the current layout
+before every step and at every commit, and the model-parallel RNG tracker is re-seeded
+from ``rng_seed`` whenever a layout becomes current (which on GPU also re-seeds CUDA's
+default generator). Dropout is off, so no training computation draws from it.
+
 Collective methods must be called by every rank of the current layout; all block.
 """
 
