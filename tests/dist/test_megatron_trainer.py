@@ -312,3 +312,17 @@ def test_hf_checkpoint_round_trips_bitwise_through_a_tp2_trainer(job: dict[str, 
     config = json.loads((exported / "config.json").read_text())
     original = json.loads((job["tmp"] / "hf" / "config.json").read_text())
     assert config == original
+
+
+def test_megatron_distributed_optimizer_step_matches_cpu_adamw_at_tp2() -> None:
+    """Megatron's distributed optimizer (CUDA type strings faked, tests/megatron_fake_cuda.py)
+    and the CPU AdamW take the same clipped step at TP=2: the gradient norm is reduced over
+    every rank of the layout, not over the data-parallel group alone."""
+    from megatron_fake_cuda import tp2_worker
+    from migrate_ranks import run_ranks
+
+    result = run_ranks(tp2_worker, 2, timeout_s=200)[0]
+    assert result["losses"][0] == result["losses"][1]
+    assert result["norms"][0] == pytest.approx(result["norms"][1], rel=1e-5)
+    assert result["norms"][1] > 0.05  # the clip was active
+    assert result["max_param_diff"] < 1e-6

@@ -404,8 +404,8 @@ def test_package_exports_are_sorted_and_complete() -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_megatron_optimizer_paths_reshard_bitwise_with_cuda_types_faked(dtype: str) -> None:
-    """tests/unit/megatron_fake_cuda.py in a subprocess (it patches torch process-wide)."""
-    script = pathlib.Path(__file__).with_name("megatron_fake_cuda.py")
+    """tests/megatron_fake_cuda.py in a subprocess (it patches torch process-wide)."""
+    script = pathlib.Path(__file__).parent.parent / "megatron_fake_cuda.py"
     done = subprocess.run(
         [sys.executable, str(script), dtype],
         capture_output=True,

@@ -118,12 +118,15 @@ def build_instance(
     device: torch.device,
     store: Store,
     timeout: timedelta,
+    megatron_optimizer: bool,
 ) -> LayoutInstance:
     """Build and cross-check ``layout`` on this rank (see the module docstring); collective
     over the layout's ranks.
 
     ``init``: draw initial weights; otherwise the state is zeros (touched), ready to be
-    written by a reshard. Raises BackendError when Megatron disagrees with the layout.
+    written by a reshard. ``megatron_optimizer``: Megatron's optimizer (it needs CUDA
+    tensors), else :class:`CPUAdamW`. Raises BackendError when Megatron disagrees with the
+    layout.
     """
     assert layout.spec is not None
     spec = layout.spec
@@ -136,7 +139,7 @@ def build_instance(
     ddp = wrap_ddp(module, spec, groups)
     whole = None
     optimizer: TrainerOptimizer
-    if device.type == "cuda":
+    if megatron_optimizer:
         if spec.distributed_optimizer:
             # Its gradient statistics are reduced over the whole optimizer instance: every
             # rank of the layout holds a different slice of the gradients.

@@ -237,7 +237,8 @@ class MegatronAdamW:
             data_parallel_group=dp.pg,
             data_parallel_group_gloo=None,
             data_parallel_group_idx=mp.pg.rank(),
-            intra_dist_opt_group=dp.pg,
+            # Gradient statistics of the distributed optimizer: over its whole instance.
+            intra_dist_opt_group=pg_collection.intra_dist_opt,
             distributed_optimizer_instance_id=0,
             pg_collection=pg_collection,
         )

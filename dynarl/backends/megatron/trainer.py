@@ -174,6 +174,7 @@ class MegatronTrainer:
             device=self.device,
             store=self.store,
             timeout=self._timeout,
+            megatron_optimizer=self.device.type == "cuda",
         )
 
     def _install(self) -> None:

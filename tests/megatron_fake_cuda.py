@@ -46,34 +46,23 @@ def _fake_cuda() -> None:
     torch.Tensor.type = cuda_type  # type: ignore[method-assign,assignment]
 
 
+MEGATRON_OPTIMIZER = [True]
+"""Whether trainers built from now on get Megatron's optimizer (else the CPU AdamW)."""
+
+
 def _megatron_optimizer_on_cpu() -> None:
-    """Build Megatron's optimizer where the trainer would build its CPU AdamW."""
-    import dynarl.backends.megatron.instance as instance
-    from dynarl.backends.megatron.model import pg_collection
-    from dynarl.backends.megatron.optimizer import MegatronAdamW
-    from dynarl.backends.megatron.trainer import MegatronTrainer
+    """Make the trainer build Megatron's optimizer where it would build its CPU AdamW."""
+    import dynarl.backends.megatron.trainer as trainer
     from dynarl.migrate import trainer_layout
 
-    built: dict[str, Any] = {}
-    wrap = instance.wrap_ddp
+    build = trainer.build_instance
 
-    def recording_wrap(module: Any, spec: Any, groups: Any) -> Any:
-        built["ddp"], built["spec"] = wrap(module, spec, groups), spec
-        return built["ddp"]
+    def with_megatron_optimizer(*args: Any, **kwargs: Any) -> Any:
+        return build(*args, **(kwargs | {"megatron_optimizer": MEGATRON_OPTIMIZER[0]}))
 
-    def megatron(module: Any, groups: Any, config: Any) -> MegatronAdamW:
-        distributed = built["spec"].distributed_optimizer
-        return MegatronAdamW(
-            built["ddp"],
-            groups,
-            config,
-            distributed=distributed,
-            pg_collection=pg_collection(groups),
-        )
-
-    instance.wrap_ddp = recording_wrap  # type: ignore[assignment]
-    instance.CPUAdamW = megatron  # type: ignore[assignment,misc]
-    MegatronTrainer.layout_for = lambda self, spec: trainer_layout(self.specs, spec)  # type: ignore[method-assign]
+    trainer.build_instance = with_megatron_optimizer  # type: ignore[assignment]
+    # Allow the distributed optimizer's layouts on CPU.
+    trainer.MegatronTrainer.layout_for = lambda self, spec: trainer_layout(self.specs, spec)  # type: ignore[method-assign]
 
 
 def main(dtype: str) -> dict[str, Any]:
@@ -139,6 +128,48 @@ def main(dtype: str) -> dict[str, Any]:
         restarted.close()
         trainer.close()
     return out
+
+
+def tp2_worker(rank: int, world: int, port: int) -> dict[str, Any]:
+    """One rank of a TP=2 job: the same clipped step with Megatron's distributed optimizer
+    and with the CPU AdamW, from the same weights. Returns what rank 0 compared."""
+    from datetime import timedelta
+
+    _fake_cuda()
+    _megatron_optimizer_on_cpu()
+    from dynarl.backends.megatron import GPTModelConfig, MegatronTrainConfig, MegatronTrainer
+    from dynarl.backends.reference.grpo import TrainSample
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore("w", store), rank=rank, world_size=world)
+    model = GPTModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=48, vocab_size=96,
+    )  # fmt: skip
+    config = MegatronTrainConfig(device="cpu", lr=1e-2, micro_batch_size=2, clip_grad=0.05)
+    gen = torch.Generator().manual_seed(3)
+    samples = [
+        TrainSample(
+            tokens=tuple(torch.randint(0, 96, (9 + i,), generator=gen).tolist()),
+            loss_mask=tuple([False] * 2 + [True] * (6 + i)),
+        )
+        for i in range(4)
+    ]
+    out: dict[str, Any] = {}
+    for epoch, megatron in ((0, True), (1, False)):
+        MEGATRON_OPTIMIZER[0] = megatron
+        trainer = MegatronTrainer(model, config, rank=rank, store=store)
+        distributed = {"distributed_optimizer": True} if megatron else {}
+        trainer.start(trainer.layout_spec((0, 1), tp=2, **distributed), epoch=epoch)
+        stats = trainer.sft_step(samples)
+        out[str(megatron)] = (stats.loss, stats.grad_norm, trainer.gather(0))
+        trainer.close()
+    dist.destroy_process_group()
+    if rank != 0:
+        return {}
+    (loss_m, norm_m, params_m), (loss_c, norm_c, params_c) = out["True"], out["False"]
+    worst = max(float((params_m[n] - params_c[n]).abs().max()) for n in params_c)
+    return {"losses": [loss_m, loss_c], "norms": [norm_m, norm_c], "max_param_diff": worst}
 
 
 if __name__ == "__main__":
