@@ -187,22 +187,10 @@ def test_trainer_refuses_what_the_cpu_cannot_run(solo: Any) -> None:
         trainer(solo, bf16)
 
 
-class StubGroup:
-    """A data-parallel group seen from ``rank``: Megatron's DDP buffers ask only these."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
-
 def test_distributed_optimizer_ranges_are_checked_against_megatrons(solo: Any) -> None:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from test_megatron_buffer_ranges import StubGroup  # a DP group seen from one rank
 
     from dynarl.backends.megatron.instance import distributed_optimizer_mismatches
     from dynarl.backends.megatron.model import pg_collection
