@@ -94,8 +94,8 @@ class LaunchConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"LaunchConfig.{name} must be > 0")
         if self.secured and (self.key_file is None or not self.allowed_keys):
-            raise ValueError("CURVE (--curve or a routable --bind-host) needs --key-file and "
-                             "--allowed-keys")  # fmt: skip
+            why = "CURVE (--curve or a routable --bind-host) needs --key-file and --allowed-keys"
+            raise ValueError(why)
 
     @property
     def secured(self) -> bool:
@@ -314,8 +314,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(sys.argv[1:] if argv is None else argv)
     job = load_job(config.job)
     store = open_store(env, config.store_timeout_s)
-    logger.info("rank %d of %d (node %d, restart %d) starting %s", env.rank, env.world_size,
-                env.node_rank, env.restart_count, config.job)  # fmt: skip
+    logger.info(
+        "rank %d of %d (node %d, restart %d) starting %s",
+        env.rank, env.world_size, env.node_rank, env.restart_count, config.job,
+    )  # fmt: skip
     run(run_node(job, config, env, store))
     return 0
 
