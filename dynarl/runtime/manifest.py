@@ -17,7 +17,8 @@ Closed steps yield a :class:`StepManifest` (ids in update order, and digests) th
 comparable across runs and policies; after a restore, :meth:`Manifest.rewind` forgets the
 steps to redo and each redone step must reproduce its first digest (``replay_diverged``).
 Memory is bounded: ids are kept for the open steps and the last ``history_steps`` closed
-ones. Runs on the controller's loop; every call is cheap and synchronous.
+ones, digests for every closed step unless ``num_digests_kept`` bounds them. Runs on the
+controller's loop; every call is cheap and synchronous.
 """
 
 from __future__ import annotations
@@ -58,9 +59,15 @@ class ManifestConfig:
     """Closed steps whose ids are kept to recognise late duplicates (without
     ``same_step``, samples not trained by then are lost)."""
 
+    num_digests_kept: int | None = None
+    """Closed steps whose digest :meth:`Manifest.report` lists (None: every one, about
+    150 bytes a step; the journal keeps every digest on disk)."""
+
     def __post_init__(self) -> None:
         if self.history_steps < 0:
             raise ValueError(f"history_steps must be >= 0, got {self.history_steps}")
+        if self.num_digests_kept is not None and self.num_digests_kept < 1:
+            raise ValueError(f"num_digests_kept must be >= 1, got {self.num_digests_kept}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -281,6 +288,9 @@ class Manifest:
             sample.num_aborted for s in record.order if (sample := self._samples.get(s))
         )
         self._digests[step] = digest
+        limit = self.config.num_digests_kept
+        while limit is not None and len(self._digests) > limit:
+            del self._digests[next(iter(self._digests))]
         self._closed.append((step, record.issued))
         self._forget_old()
         return StepManifest(

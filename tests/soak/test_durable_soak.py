@@ -14,7 +14,14 @@ import pytest
 import torch
 from soak_support import soak
 
-from dynarl.runtime import CheckpointStore, Journal, Manifest, SampleSource, SourceConfig
+from dynarl.runtime import (
+    CheckpointStore,
+    Journal,
+    Manifest,
+    ManifestConfig,
+    SampleSource,
+    SourceConfig,
+)
 from dynarl.types import Allocation, MigrationKind
 
 pytestmark = pytest.mark.slow
@@ -24,7 +31,7 @@ DURATION_S = float(os.environ.get("DYNARL_SOAK_S", "600"))
 
 def test_the_durable_path_does_not_grow(tmp_path: Path) -> None:
     source = SampleSource(SourceConfig(seed=0, num_items=1000, group_size=8))
-    manifest = Manifest()
+    manifest = Manifest(ManifestConfig(num_digests_kept=100))  # digests stay in the journal
     store = CheckpointStore(tmp_path / "checkpoints", num_keep=2)
     weights = torch.zeros(256, 256)
     allocations = [Allocation.of({"rollout": [0, 1], "trainer": [2, 3]}),

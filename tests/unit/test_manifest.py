@@ -146,6 +146,13 @@ def test_memory_is_bounded_by_the_history() -> None:
     assert kinds == ["duplicate_training", "unknown_sample"]
 
 
+def test_digests_kept_can_be_bounded() -> None:
+    manifest = Manifest(ManifestConfig(num_digests_kept=3))
+    for step in range(10):
+        run_step(manifest, step, [f"{step}"], [f"{step}"])
+    assert [step for step, _ in manifest.report().digests] == [7, 8, 9]
+
+
 def test_without_same_step_untrained_samples_are_lost_when_they_leave_the_history() -> None:
     manifest = Manifest(ManifestConfig(same_step=False, history_steps=1))
     manifest.issue("late", 0)
