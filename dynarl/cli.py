@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_keys(commands)
     _add_demo(commands)
+    _add_simulate(commands)
     return parser
 
 
@@ -55,6 +56,113 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser = commands.add_parser("demo", help=demo.SUMMARY, description=demo.__doc__)
     demo.add_arguments(parser)
     parser.set_defaults(handler=demo.main)
+
+
+def _add_simulate(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    sim = commands.add_parser(
+        "simulate",
+        help="compare allocation policies on a workload in virtual time",
+        description="Simulate a workload (TOML) under each policy on the same trace and "
+        "print throughput, iteration time, speedups, moves, migration and idle shares.",
+    )
+    sim.add_argument("workload", help="workload TOML file (see docs/workloads.md)")
+    sim.add_argument(
+        "--policy",
+        default=None,
+        help="comma-separated policies (default: all; with --sweep: dynarl)",
+    )
+    sim.add_argument("--json", action="store_true", help="print one JSON document instead")
+    sim.add_argument("--plot", metavar="DIR", help="write an allocation-timeline PNG per policy")
+    sim.add_argument(
+        "--sweep",
+        metavar="KEY=V1,V2,...",
+        help="repeat for each value of a parameter (e.g. u_low=0.01,0.1,0.2,0.3,0.5 or "
+        "t_window=4,32,64 or scheduler.min_move_interval_s=5,10)",
+    )
+    sim.add_argument(
+        "--vector",
+        action="store_true",
+        help="vectorised per-engine rollout model (math workloads at scale)",
+    )
+    sim.add_argument("--verbose", action="store_true", help="log the scheduler's warnings")
+    sim.set_defaults(handler=_simulate)
+
+
+def _parse_value(text: str) -> object:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    import json
+    import logging
+
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.ERROR,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+
+    from dynarl.sim import (
+        compare,
+        format_table,
+        load_workload,
+        plot_timelines,
+        results_json,
+        with_overrides,
+    )
+    from dynarl.sim.policies import POLICY_NAMES
+
+    try:
+        workload = load_workload(args.workload)
+    except (OSError, ValueError) as err:
+        print(f"dynarl simulate: {err}", file=sys.stderr)
+        return 2
+    default = ("dynarl",) if args.sweep else POLICY_NAMES
+    policies = tuple(p.strip() for p in args.policy.split(",")) if args.policy else default
+    unknown = [p for p in policies if p not in POLICY_NAMES]
+    if unknown:
+        print(f"dynarl simulate: unknown policies {unknown}", file=sys.stderr)
+        return 2
+    runs: list[tuple[str, object]] = [("", None)]
+    key = ""
+    if args.sweep:
+        key, _, values = args.sweep.partition("=")
+        if not key or not values:
+            print("dynarl simulate: --sweep needs KEY=V1,V2,...", file=sys.stderr)
+            return 2
+        runs = [(f"{key}={v}", _parse_value(v)) for v in values.split(",")]
+    documents = []
+    for label, value in runs:
+        try:
+            current = with_overrides(workload, {key: value}) if label else workload
+            results = compare(current, policies, vector=args.vector)
+        except ValueError as err:
+            print(f"dynarl simulate: {err}", file=sys.stderr)
+            return 2
+        title = f"{workload.name}" + (f"  [{label}]" if label else "")
+        if args.json:
+            documents.append(json.loads(results_json(results, workload=title)))
+        else:
+            print(format_table(results, title=title))
+            print()
+        if args.plot:
+            prefix = f"{workload.name}-" + (f"{label}-" if label else "")
+            paths = plot_timelines(
+                {r.policy: r.timeline for r in results}, args.plot, prefix=prefix
+            )
+            if not args.json:
+                print("plots: " + ", ".join(str(p) for p in paths))
+    if args.json:
+        doc = documents[0] if not args.sweep else {"sweep": key, "runs": documents}
+        print(json.dumps(doc, indent=2))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,8 @@ profile and within the online window, never across them, so a level drift does n
 it); the level a from the median log-ratio of the recent online measurements
 (breakdown point 50%), falling back to the profile. :meth:`observe` is O(1) and records
 the prediction error before learning from a sample; :meth:`refit` does the fitting,
-outside the decision path.
+outside the decision path. Online samples and errors are kept per iteration (the
+report's ``iteration``): a new iteration restarts them from the profile level.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ class _Model:
     online: deque[tuple[float, float, float]] = field(default_factory=deque)
     errors: deque[float] = field(default_factory=deque)
     dirty: bool = True
+    iteration: int | None = None
 
 
 class RegressionPredictor:
@@ -212,6 +214,14 @@ class RegressionPredictor:
             model = self._models[component] = self._new_model(ComponentProfile())
         if model.profile.items_per_device <= 0 and state.queue_depth == 0:
             return
+        if model.iteration is not None and state.iteration != model.iteration:
+            # A new iteration starts a new regime (a rollout tail's measurements say
+            # nothing about the next batch's start): the model falls back to the
+            # profile until the new iteration's samples arrive.
+            model.online.clear()
+            model.errors.clear()
+            self._fit(model)
+        model.iteration = state.iteration
         if model.fitted:
             predicted = float(self.predict(component, np.array([num_devices]), state)[0])
             model.errors.append(abs(predicted - state.throughput) / state.throughput)

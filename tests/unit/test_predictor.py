@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from sched_support import report
 
+from dynarl.bus import ComponentReport
 from dynarl.sched import (
     ComponentProfile,
     PredictorConfig,
@@ -124,3 +125,33 @@ def test_errors_are_recorded_before_learning_and_observe_does_not_refit() -> Non
     pred.refit()
     assert pred.predict("r", np.array([4.0]), report("r")).item() == pytest.approx(80.0)
     assert pred.prediction_error("unknown") == (0.0, 0)
+
+
+def test_a_new_iteration_restarts_the_online_window_from_the_profile() -> None:
+    profile = ComponentProfile(
+        points=tuple(ProfilePoint(num_devices=n, throughput=10.0 * n) for n in (1, 2, 4, 8)),
+    )
+    pred = RegressionPredictor({"trainer": profile})
+
+    def state(time: float, iteration: int, throughput: float) -> ComponentReport:
+        return report(
+            "trainer",
+            kind="trainer",
+            time=time,
+            queue_depth=5,
+            throughput=throughput,
+            iteration=iteration,
+        )
+
+    for k in range(10):  # iteration 0 runs at a third of the profiled level
+        pred.observe("trainer", 4, state(float(k), 0, 13.3))
+    pred.refit()
+    assert pred.predict("trainer", np.array([4.0]), state(11.0, 0, 13.3))[0] == pytest.approx(
+        13.3, rel=0.05
+    )
+    assert pred.prediction_error("trainer")[1] > 1
+    fresh = state(12.0, 1, 40.0)
+    pred.observe("trainer", 4, fresh)  # judged against the profile, not iteration 0's level
+    assert pred.prediction_error("trainer") == (pytest.approx(0.0), 1)
+    pred.refit()
+    assert pred.predict("trainer", np.array([4.0]), fresh)[0] == pytest.approx(40.0, rel=0.05)

@@ -1,0 +1,209 @@
+"""The simulated components as the scheduler and the policies see them, and their costs.
+
+- :func:`build_nodes`: rollout, inference and the trainer as the scheduler's hypernodes.
+- :class:`ModelledMigrationCost`: one model of migration pauses serves both sides — the
+  simulator injects it into the real :class:`~dynarl.sched.Scheduler` as its
+  :class:`~dynarl.sched.MigrationCost` and pauses the model by exactly its estimate, so
+  predicted and realised migration time agree by construction (the realised *benefit* is
+  what the simulation measures). Seconds per kind come from the workload's
+  ``[migration]`` table; concurrent resizes overlap, so a move costs its slowest part;
+  P2P resizes copy one replica's state per replica added.
+- The protocols the simulator and the policies share: :class:`RolloutModel` (the
+  per-request and the vectorised rollout), :class:`EngineView`, :class:`SimPolicy`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from dynarl.bus import ComponentReport
+from dynarl.sched import CostEstimate, HyperNode, Resize
+from dynarl.sim.specs import MigrationSpec
+from dynarl.sim.trace import IterationTrace
+from dynarl.sim.workload import Workload
+from dynarl.types import ComponentKind, MigrationKind
+
+if TYPE_CHECKING:
+    from dynarl.sim.simulator import Simulation
+
+__all__ = [
+    "COMPONENTS",
+    "EngineView",
+    "ModelledMigrationCost",
+    "RolloutModel",
+    "SimPolicy",
+    "build_nodes",
+]
+
+COMPONENTS = ("rollout", "inference", "trainer")
+"""The simulated components."""
+
+
+class EngineView(Protocol):
+    """What policies may read of one rollout engine."""
+
+    @property
+    def index(self) -> int:
+        """Engine index (engines started earlier have lower ones)."""
+        ...
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Its devices."""
+        ...
+
+    @property
+    def load(self) -> int:
+        """Requests running or waiting on it."""
+        ...
+
+
+class RolloutModel(Protocol):
+    """The rollout component as the simulator drives it (per-request or vectorised)."""
+
+    @property
+    def engines(self) -> Mapping[int, EngineView]:
+        """Live engines by index."""
+        ...
+
+    @property
+    def pending(self) -> Sequence[object]:
+        """Requests waiting for any engine."""
+        ...
+
+    @property
+    def unfinished(self) -> int:
+        """Samples started and not finished."""
+        ...
+
+    def add_devices(self, devices: Iterable[int], *, routable: bool = True) -> Sequence[object]:
+        """Start engines on ``devices``."""
+        ...
+
+    def remove_devices(self, devices: Iterable[int]) -> list[tuple[int, ...]]:
+        """Abort the engines on ``devices``; returns leftover device groups."""
+        ...
+
+    def start(self, trace: IterationTrace, samples: Sequence[int] | None = None) -> None:
+        """Dispatch samples."""
+        ...
+
+    def report(self, *, remaining: int, iteration: int) -> ComponentReport:
+        """The interval's report."""
+        ...
+
+    def new_iteration(self) -> None:
+        """Zero the completed-in-iteration count."""
+        ...
+
+    def busy_devices(self) -> int:
+        """Devices running something."""
+        ...
+
+    def totals(self) -> tuple[int, int]:
+        """(prefill tokens, of which re-prefill)."""
+        ...
+
+
+class SimPolicy(Protocol):
+    """Decides the allocation in a :class:`Simulation`; every hook may call ``execute``."""
+
+    name: str
+    """Policy name."""
+    asynchronous: bool
+    """Whether the policy runs its own sample flow (no iteration barrier)."""
+
+    def setup(self, sim: Simulation) -> None:
+        """Place the initial allocation (and, when asynchronous, start the flow)."""
+        ...
+
+    def on_reports(self, sim: Simulation, reports: Mapping[str, ComponentReport]) -> None:
+        """Every reporting interval."""
+        ...
+
+    def on_event(self, sim: Simulation, event: str, iteration: int, index: int = 0) -> None:
+        """``rollout_done``, ``inference_done``, ``minibatch`` (index), ``iteration_end``,
+        ``iteration_start``."""
+        ...
+
+
+def build_nodes(workload: Workload, trainer_dp_sizes: tuple[int, ...] = ()) -> dict[str, HyperNode]:
+    """The scheduler's view of the three components."""
+    w = workload
+    return {
+        "rollout": HyperNode(
+            name="rollout",
+            kind=ComponentKind.ROLLOUT,
+            migration=MigrationKind.WORKLOAD,
+            tp=w.rollout.tp,
+            min_devices=w.rollout.tp,
+            successors=("inference",),
+        ),
+        "inference": HyperNode(
+            name="inference",
+            kind=ComponentKind.INFERENCE,
+            migration=MigrationKind.WORKLOAD,
+            tp=w.inference.tp,
+            min_devices=w.inference.min_gpus,
+            predecessors=("rollout",),
+            successors=("trainer",),
+        ),
+        "trainer": HyperNode(
+            name="trainer",
+            kind=ComponentKind.TRAINER,
+            migration=MigrationKind.P2P,
+            tp=w.trainer.tp,
+            min_devices=w.trainer.min_gpus,
+            dp_sizes=trainer_dp_sizes,
+            state_bytes=w.model.state_bytes,
+            sharded_state_fraction=w.model.sharded_state_fraction,
+            predecessors=("inference",),
+        ),
+    }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelledMigrationCost:
+    """A :class:`~dynarl.sched.MigrationCost` from a workload's migration table."""
+
+    spec: MigrationSpec
+    """Seconds per migration kind."""
+
+    def seconds(self, kind: MigrationKind) -> float:
+        """Pause of one migration of ``kind``."""
+        if kind is MigrationKind.P2P:
+            return self.spec.p2p_s
+        if kind is MigrationKind.REBOOT:
+            return self.spec.reboot_s
+        return self.spec.workload_s
+
+    def estimate(self, resizes: tuple[Resize, ...]) -> CostEstimate:
+        """The slowest moving resize's seconds; P2P bytes of the replicas added."""
+        moving = [r for r in resizes if r.new_devices != r.old_devices]
+        seconds = max((self.seconds(r.migration) for r in moving), default=0.0)
+        added = sum(
+            r.state_bytes * max(0, r.new_devices - r.old_devices) // (r.tp * r.pp)
+            for r in moving
+            if r.migration is MigrationKind.P2P
+        )
+        return CostEstimate(seconds=seconds, bytes=added)
+
+    def move_seconds(
+        self, nodes: Mapping[str, HyperNode], old: Mapping[str, int], new: Mapping[str, int]
+    ) -> float:
+        """Pause of a move from device counts ``old`` to ``new`` (what the scheduler is charged)."""
+        resizes = tuple(
+            Resize(
+                component=name,
+                migration=nodes[name].migration,
+                old_devices=old[name],
+                new_devices=new[name],
+                tp=nodes[name].tp,
+                state_bytes=nodes[name].state_bytes,
+            )
+            for name in COMPONENTS
+            if new[name] != old[name]
+        )
+        return self.estimate(resizes).seconds

@@ -1,0 +1,183 @@
+"""Every policy on a small workload: conservation, and each baseline decides as documented."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import replace
+
+import pytest
+from sim_support import small
+
+from dynarl.bus import ComponentReport, DecisionRecord, MigrationRecord
+from dynarl.sched import DeviceMove, FifoPolicy, PriorityPolicy
+from dynarl.sim import (
+    DynarlPolicy,
+    RlinfRule,
+    SimPolicy,
+    Simulation,
+    StaticSequential,
+    StaticSplit,
+    VerlHybrid,
+    make_policy,
+    rlinf_dp_sizes,
+)
+from dynarl.sim.policies import POLICY_NAMES
+
+
+class Recorder:
+    """Wraps a policy: records its events and every device move the simulation executes."""
+
+    def __init__(self, inner: SimPolicy) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.asynchronous = inner.asynchronous
+        self.events: list[tuple[float, str, int]] = []
+        self.moves: list[tuple[float, tuple[DeviceMove, ...]]] = []
+
+    def setup(self, sim: Simulation) -> None:
+        original = sim.execute
+
+        def execute(moves, **kwargs):  # type: ignore[no-untyped-def]
+            self.moves.append((sim.loop.now, tuple(moves)))
+            return original(moves, **kwargs)
+
+        sim.execute = execute  # type: ignore[method-assign]
+        self.inner.setup(sim)
+
+    def on_reports(self, sim: Simulation, reports: Mapping[str, ComponentReport]) -> None:
+        self.inner.on_reports(sim, reports)
+
+    def on_event(self, sim: Simulation, event: str, iteration: int, index: int = 0) -> None:
+        self.events.append((sim.loop.now, event, index))
+        self.inner.on_event(sim, event, iteration, index)
+
+
+def _run(policy: SimPolicy, kind: str = "math", iterations: int = 2) -> tuple[Simulation, Recorder]:
+    workload = replace(small(kind), num_iterations=iterations)
+    request = policy.request_policy if isinstance(policy, DynarlPolicy) else FifoPolicy
+    sim = Simulation(workload, request_policy=request)
+    recorder = Recorder(policy)
+    sim.run(recorder)
+    return sim, recorder
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("kind", ["math", "agentic"])
+def test_every_policy_trains_every_iteration_and_conserves_devices(name: str, kind: str) -> None:
+    sim, _ = _run(make_policy(name), kind)
+    workload = sim.workload
+    assert [it.index for it in sim.iterations] == list(range(workload.num_iterations))
+    assert all(it.samples == workload.batch.num_samples for it in sim.iterations)
+    assert all(sum(row) == workload.cluster.num_gpus for row in sim.timeline.counts)
+    held = [d for devs in sim.holders.values() for d in devs] + [*sim.free, *sim.transit]
+    assert sorted(held) == list(range(workload.cluster.num_gpus))
+    result = sim.result(name)
+    assert result.throughput > 0 and 0 <= result.idle_share <= 1
+
+
+def test_static_sequential_gives_every_gpu_to_one_stage_at_a_time() -> None:
+    sim, recorder = _run(StaticSequential())
+    for row in sim.timeline.counts:
+        assert sum(1 for count in row[:3] if count) <= 1
+    events = [e for _, e, _ in recorder.events]
+    assert events.index("rollout_done") < events.index("inference_done")
+    assert all(len(moves) == 1 for _, moves in recorder.moves)
+
+
+def test_static_split_never_moves() -> None:
+    sim, recorder = _run(StaticSplit())
+    assert not recorder.moves
+    assert len(set(sim.timeline.counts)) == 1
+
+
+def test_rlinf_rule_acts_only_at_minibatch_boundaries_and_restores_at_step_end() -> None:
+    policy = RlinfRule()
+    sim, recorder = _run(policy)
+    workload = sim.workload
+    boundaries = {t for t, e, _ in recorder.events if e == "minibatch"}
+    ends = {t for t, e, _ in recorder.events if e == "iteration_end"}
+    grows = [m for m in recorder.moves if any(mv.dst == "trainer" for mv in m[1])]
+    assert grows, "the trainer grew at some boundary"
+    for t, moves in recorder.moves:
+        assert t in boundaries or t in ends or t > min(ends)  # restore may wait for a move
+        if t in boundaries:
+            assert all(mv.dst == "trainer" for mv in moves), "nothing returns within a step"
+    valid = set(rlinf_dp_sizes(workload))
+    for row in sim.timeline.counts:
+        assert row[2] == 0 or (row[2] // workload.trainer.tp) in valid
+    start = sim.timeline.count_at("trainer", sim.iterations[-1].start + 1e-9)
+    assert start == policy.initial["trainer"]
+
+
+def test_rlinf_rule_releases_lowest_index_engines_first() -> None:
+    policy = RlinfRule()
+    sim = Simulation(small())
+    released: list[list[int]] = []
+    original = sim.rollout.remove_devices
+
+    def remove(devices):  # type: ignore[no-untyped-def]
+        engines = sorted(sim.rollout.engines.values(), key=lambda e: e.index)
+        gone = set(devices)
+        released.append([e.index for e in engines if gone & set(e.devices)])
+        released[-1].append(-1)
+        released[-1] += [e.index for e in engines if not gone & set(e.devices)]
+        return original(devices)
+
+    sim.rollout.remove_devices = remove  # type: ignore[method-assign]
+    sim.run(policy)
+    for order in released:
+        cut = order.index(-1)
+        gone, kept = order[:cut], order[cut + 1 :]
+        if gone and kept:
+            assert max(gone) < min(kept)
+
+
+def test_verl_hybrid_runs_the_real_controller_unclamped() -> None:
+    policy = VerlHybrid()
+    _, recorder = _run(policy, iterations=5)
+    controller = policy.controller
+    assert controller is not None
+    assert controller.policy.clamp_ratio is False  # type: ignore[attr-defined]
+    assert controller.activate_count >= 1 and controller.deactivate_count >= 1
+    assert recorder.moves, "hybrid replicas moved between trainer and rollout"
+
+
+def test_dynarl_executes_exactly_what_the_scheduler_commits() -> None:
+    policy = DynarlPolicy()
+    sim, recorder = _run(policy)
+    scheduler = policy.scheduler
+    assert scheduler is not None
+    committed = scheduler.ledger.query(kind="decision", committed=True)
+    assert committed and all(isinstance(r, DecisionRecord) for r in committed)
+    assert len(committed) == len(recorder.moves)
+    migrations = scheduler.ledger.query(kind="migration")
+    assert migrations and all(isinstance(m, MigrationRecord) for m in migrations)
+    assert all(m.outcome == "committed" and m.pause_s > 0 for m in migrations)  # type: ignore[union-attr]
+    assert scheduler.allocation == sim.allocation
+    assert scheduler.safety.in_flight is None
+
+
+def test_dynarl_priority_orders_the_engines_by_priority() -> None:
+    assert isinstance(DynarlPolicy(priority=True).request_policy(), PriorityPolicy)
+    assert isinstance(DynarlPolicy().request_policy(), FifoPolicy)
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("round-robin")
+
+
+def test_moves_charge_the_modelled_pause() -> None:
+    sim, recorder = _run(DynarlPolicy())
+    spec = sim.workload.migration
+    first_time, moves = recorder.moves[0]
+    pauses = [
+        sim.cost.seconds(sim.nodes[name].migration)
+        for name in {mv.src for mv in moves} | {mv.dst for mv in moves}
+        if name is not None
+    ]
+    arrived = min(t for t in sim.timeline.times if t > first_time)
+    assert arrived == pytest.approx(first_time + max(pauses))
+    assert max(pauses) in (spec.workload_s, spec.p2p_s)
+    assert math.isfinite(arrived)

@@ -1,0 +1,130 @@
+"""Validation against the DynaRL paper, as tests of the calibration (issue 7, item 5).
+
+The shipped workloads are derived from facts by ``examples/workloads/calibrate.py``; these
+tests compare what the simulator then predicts with the paper's results. Where the
+simulator disagrees, the test is an ``xfail(strict=True)`` whose reason says by how much
+and why — it fails loudly if the disagreement goes away, so the reason is kept true.
+Nothing here tunes anything: every run uses a shipped file as it is (sweeps change only
+the swept scheduler parameter).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+from sim_support import shipped
+
+from dynarl.sim import RunResult, run_policy, with_overrides
+
+
+@cache
+def result(workload: str, policy: str, key: str = "", value: float = 0.0) -> RunResult:
+    chosen = shipped(workload)
+    if key:
+        chosen = with_overrides(chosen, {key: value})
+    return run_policy(chosen, policy)
+
+
+@cache
+def vector_result(workload: str, policy: str) -> RunResult:
+    return run_policy(shipped(workload), policy, vector=True)
+
+
+def speedup(workload: str, policy: str, baseline: str) -> float:
+    return result(workload, policy).throughput / result(workload, baseline).throughput
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="simulator: dynarl is ~1.13x static-sequential on math-7b-64gpu, not 1.4-1.7x. "
+    "Static-sequential is rollout on 64 GPUs (~405 s) then log-prob and training (~238 s "
+    "with switches); dynarl overlaps most of the latter, but its rollout phase takes ~495 s: "
+    "~23 s pass at each iteration start before Stage 1 (T = 4 s, then a 4 s migration) "
+    "hands the GPUs back, and the engines given away in the tail abort their requests, "
+    "which re-prefill and queue on the rest; the trainer then needs ~65-85 s more after "
+    "the last sample. The ideal-overlap bound is ~1.59x.",
+)
+def test_math_7b_64gpu_dynarl_over_static_sequential_is_1_4_to_1_7() -> None:
+    ratio = speedup("math-7b-64gpu", "dynarl", "static-sequential")
+    assert 1.4 <= ratio <= 1.7
+
+
+def test_math_7b_64gpu_dynarl_beats_rlinf_rule_and_verl_hybrid() -> None:
+    assert speedup("math-7b-64gpu", "dynarl", "rlinf-rule") > 1.0
+    assert speedup("math-7b-64gpu", "dynarl", "verl-hybrid") > 1.0
+
+
+def test_agentic_priority_beats_plain_dynarl() -> None:
+    assert speedup("agentic-32b-64gpu", "dynarl+priority", "dynarl") > 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["agentic-32b-128gpu", "agentic-7b-64gpu"])
+def test_agentic_priority_beats_plain_dynarl_elsewhere(workload: str) -> None:
+    assert speedup(workload, "dynarl+priority", "dynarl") > 1.0
+
+
+def test_u_low_sweep_has_a_plateau_with_losses_at_both_ends() -> None:
+    values = (0.01, 0.1, 0.2, 0.3, 0.5)
+    throughput = {v: result("math-1.5b-64gpu", "dynarl", "u_low", v).throughput for v in values}
+    plateau = min(throughput[v] for v in (0.1, 0.2, 0.3))
+    assert throughput[0.01] < plateau
+    assert throughput[0.5] < plateau
+
+
+def test_t_window_sweep_loses_at_32_and_64_seconds() -> None:
+    values = (2.0, 4.0, 8.0, 32.0, 64.0)
+    throughput = {v: result("math-1.5b-64gpu", "dynarl", "t_window", v).throughput for v in values}
+    plateau = min(throughput[v] for v in (2.0, 4.0, 8.0))
+    assert throughput[32.0] < plateau
+    assert throughput[64.0] < throughput[32.0] or throughput[64.0] < plateau
+
+
+def _ramp(policy: str, gpus: int) -> float:
+    """Mean time from a measured iteration's start until the trainer holds ``gpus`` again."""
+    run = result("math-7b-64gpu", policy)
+    times = []
+    for it in run.iterations[1:]:
+        t = run.timeline.ramp_time("trainer", gpus, it.start, it.end)
+        assert t is not None, f"the trainer never reached {gpus} GPUs under {policy}"
+        times.append(t - it.start)
+    return sum(times) / len(times)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="held-out fact: the paper's trainer holds 52 GPUs at ~380 s with priority and 32 "
+    "at ~420 s without; the simulator gives 52 at ~445 s (+17%) and 32 at ~330 s (-22%). "
+    "Math requests never call tools, so DynaRL's priority key (tool calls, cached prefix) "
+    "barely reorders them and both runs follow one ramp (32 GPUs near 330 s, 52 near "
+    "445 s); the paper's gap between the two runs has no mechanism in this model.",
+)
+def test_held_out_7b_timeline_within_15_percent() -> None:
+    assert _ramp("dynarl+priority", 52) == pytest.approx(380.0, rel=0.15)
+    assert _ramp("dynarl", 32) == pytest.approx(420.0, rel=0.15)
+
+
+def test_held_out_7b_timeline_shape() -> None:
+    """What does hold: the trainer grows late in the iteration, to about 52 GPUs or more."""
+    for policy in ("dynarl", "dynarl+priority"):
+        run = result("math-7b-64gpu", policy)
+        for it in run.iterations[1:]:
+            assert run.timeline.peak("trainer", it.start, it.end) >= 52
+            t32 = run.timeline.ramp_time("trainer", 32, it.start, it.end)
+            assert t32 is not None and t32 - it.start > 0.4 * it.seconds
+
+
+@pytest.mark.parametrize("workload", ["math-1.5b-128gpu", "math-7b-128gpu"])
+@pytest.mark.parametrize("policy", ["static-split", "dynarl"])
+def test_vector_model_within_2_percent_at_128_gpus(workload: str, policy: str) -> None:
+    request = result(workload, policy).throughput
+    assert vector_result(workload, policy).throughput == pytest.approx(request, rel=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["math-1.5b-128gpu", "math-7b-128gpu", "math-32b-128gpu"])
+@pytest.mark.parametrize("policy", ["static-sequential", "static-split", "rlinf-rule", "dynarl"])
+def test_vector_model_within_2_percent_everywhere(workload: str, policy: str) -> None:
+    request = result(workload, policy).throughput
+    assert vector_result(workload, policy).throughput == pytest.approx(request, rel=0.02)
