@@ -39,7 +39,7 @@ from dynarl.backends.reference.serving import ReferenceRollout
 from dynarl.backends.reference.setup import ReferenceSetup
 from dynarl.backends.reference.tools import ToolWorker
 from dynarl.bus.messages import MetaValue, Sample
-from dynarl.errors import BackendError
+from dynarl.errors import BackendError, IntegrityError
 from dynarl.runtime.job import Job
 from dynarl.runtime.spec import ComponentSpec
 from dynarl.runtime.wire import CallResult
@@ -202,6 +202,8 @@ class StepReport:
     """Micro-batches the trainer learned before the last episode was in."""
     resumed: int
     """Generations aborted by a move and resumed elsewhere."""
+    turns: int
+    """Generation turns the rollout served (a tool call starts another)."""
     mean_response_tokens: float
     """Mean response length, tokens."""
     max_response_tokens: int
@@ -241,6 +243,10 @@ class GRPODriver:
         self._phase, self._step = "switch", 0
         self._episodes: Episodes | None = None
         self._learned: set[int] = set()
+        self._final = False
+        self._turns = 0
+        self.reshards_verified = 0
+        """Trainer reshards whose state checksum was checked equal before and after."""
 
     # ------------------------------------------------------------------ phases
 
@@ -268,13 +274,29 @@ class GRPODriver:
         )
 
     async def _reach(self, target: Allocation) -> None:
-        """Move to ``target`` (retrying a command the scheduler's last move made stale)."""
+        """Move to ``target`` (retrying a command the scheduler's last move made stale).
+
+        A move that reshards the trainer (devices before and after) is checked: the
+        state's checksum after it must equal the one before (IntegrityError otherwise).
+        """
         for _ in range(5):
             if self.job.allocation == target:
                 return
+            before = self.job.allocation.devices("trainer")
+            reshard = bool(before) and bool(target.devices("trainer"))
+            reshard &= set(before) != set(target.devices("trainer"))
+            checksum = await self._checksum() if reshard else ""
             outcome = await self.job.reallocate(target)
             self._progress()
             if outcome.ok:
+                if reshard:
+                    after = await self._checksum()
+                    if after != checksum:
+                        raise IntegrityError(
+                            f"trainer state changed across its reshard {list(before)} -> "
+                            f"{list(target.devices('trainer'))}: {checksum[:12]} != {after[:12]}"
+                        )
+                    self.reshards_verified += 1
                 return
             if not outcome.reason.startswith("stale"):
                 raise BackendError(f"move to {target.as_dict()} failed: {outcome.reason}")
@@ -290,15 +312,25 @@ class GRPODriver:
             await self._reach(Allocation.of({"rollout": rest, "trainer": plan.home}))
         await self._reach(target)
 
-    async def _enter_learner(self) -> None:
+    async def _enter_learner(self, remaining: int) -> None:
+        """Give the trainer every device for the ``remaining`` micro-batches — unless
+        (dynarl) the trainer already holds devices and they have at most one each left:
+        growing would cost more than it saves."""
         plan, now = self.plan, self.job.allocation
         if plan.schedule is Schedule.SPLIT:
+            return
+        held = now.devices("trainer")
+        if plan.schedule is Schedule.DYNARL and held and remaining <= len(held):
             return
         if plan.schedule is Schedule.DYNARL and not now.devices("trainer"):
             # Wake the trainer where its state sleeps, then grow it by P2P.
             rest = tuple(d for d in plan.devices if d not in plan.home)
             await self._reach(Allocation.of({"rollout": rest, "trainer": plan.home}))
         await self._reach(plan.learner_phase())
+
+    async def _checksum(self) -> str:
+        results = await self.job.call("trainer", "checksum")
+        return str(_agreed(results, "checksum").values.get("checksum"))
 
     async def _check_versions(self) -> None:
         results = await self.job.call("rollout", "weight_version")
@@ -311,7 +343,8 @@ class GRPODriver:
     async def train_step(self, step: int) -> StepReport:
         """Run GRPO step ``step``; raises BackendError when a move, a call or a sample fails."""
         began = time.perf_counter()
-        self._step, self._learned = step, set()
+        self._step, self._learned, self._final = step, set(), False
+        self._turns = 0
         dynarl = self.plan.schedule is Schedule.DYNARL
         problems = self.task.problems(step=step, num_problems=self.num_prompts)
         episodes = self._episodes = Episodes(self.setup, self.task, step, problems)
@@ -333,8 +366,9 @@ class GRPODriver:
                 self.job.operator("observe_only", "learner phase")
             mark = time.perf_counter()
             self._progress("learn")
-            await self._enter_learner()
+            await self._enter_learner(episodes.num_groups - len(self._learned))
             phases["barrier"] = time.perf_counter() - mark
+            self._final = True
             changed.set()
             await learner
         mark = time.perf_counter()
@@ -363,6 +397,7 @@ class GRPODriver:
             sample = await output.get(timeout=timeout)
             if sample.metadata.get("finish") == "error":
                 raise BackendError(f"generation {sample.sample_id} failed: {sample.metadata}")
+            self._turns += 1
             call = episodes.absorb(sample)
             if call is not None:
                 group.create_task(self._call_tool(episodes, call))
@@ -393,7 +428,10 @@ class GRPODriver:
                 except TimeoutError:
                     pass
                 continue
-            chunk = pending[: max(1, len(devices)) * self.chunk_micros]
+            # While the rollout runs, short calls let a move of the trainer start soon;
+            # after it, nothing moves the trainer: one call learns everything pending.
+            limit = len(pending) if self._final else len(devices) * self.chunk_micros
+            chunk = pending[:limit]
             samples = [s for g in chunk for s in episodes.micro_batch(g)]
             results = await self.job.call(
                 "trainer", "learn", samples, num_samples=episodes.num_samples
@@ -468,6 +506,7 @@ class GRPODriver:
             rollout_s=phases["rollout"],
             learned_early=learned_early,
             resumed=resumed,
+            turns=self._turns,
             mean_response_tokens=sum(lengths) / len(lengths),
             max_response_tokens=max(lengths),
             phases=phases,

@@ -116,7 +116,10 @@ class Episodes:
             GROUP: ep.group,
             STEP: self.step,
             TOOL_CALLS: ep.calls,
-            "episode": str(ep.sample_id),
+            # A prompt group prefers one engine (its shared prompt is one prefix-cache
+            # entry there) unless that engine is much busier than another.
+            "episode": f"{self.step}-{ep.group}",
+            "affinity": "prefer",
         }
         return GenerationRequest(
             sample_id=f"{ep.sample_id}" if not ep.calls else f"{ep.sample_id}/t{ep.calls}",

@@ -370,7 +370,8 @@ def local_world() -> None:
     network). Runs on the worker's compute thread.
     """
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 
 
 @contextlib.contextmanager
