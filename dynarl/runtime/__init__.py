@@ -8,7 +8,8 @@
 - worker side: :class:`WorkerAgent` (``python -m dynarl.runtime.worker``), roles hosted
   with a :class:`RoleContext`, the role protocols (:class:`Serving`, :class:`Reporting`,
   :class:`Reshardable`, :class:`Checkpointing`);
-- :class:`LocalLauncher`, :class:`PlannerCost`, fault injection (:class:`Fault`).
+- :class:`LocalLauncher`, :class:`PlannerCost`, fault injection (:class:`Fault`), the
+  Prometheus endpoint (:class:`MetricsExporter`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dynarl.runtime.link import WorkerLink
 from dynarl.runtime.manager import GroupManager
 from dynarl.runtime.moves import ComponentMove
 from dynarl.runtime.options import WorkerOptions
+from dynarl.runtime.prometheus import MetricsExporter
 from dynarl.runtime.role import (
     Checkpointing,
     ComputeThread,
@@ -57,6 +59,7 @@ __all__ = [
     "Job",
     "JobConfig",
     "LocalLauncher",
+    "MetricsExporter",
     "MoveJournal",
     "PlannerCost",
     "Reporting",

@@ -10,7 +10,9 @@ One process (the driver locally, rank 0 under torchrun) hosts, on one event loop
 - the **scheduler** coroutine on the real monotonic clock, fed with the managers'
   reports, ticks and move outcomes, writing every decision to the **ledger**;
 - the **coordinator**, the scheduler's command sink, with a
-  :class:`~dynarl.runtime.cost.PlannerCost` injected into the scheduler.
+  :class:`~dynarl.runtime.cost.PlannerCost` injected into the scheduler;
+- when ``RuntimeConfig.metrics_port`` is set, the **Prometheus endpoint**
+  (:class:`~dynarl.runtime.prometheus.MetricsExporter`, loopback by default).
 
 Use as ``async with Controller(...) as controller``; workers are started by someone else
 (the local launcher, torchrun). Runs on the controller's event loop.
@@ -39,6 +41,7 @@ from dynarl.runtime.durability import AllocationJournal
 from dynarl.runtime.faults import FaultInjector
 from dynarl.runtime.link import WorkerLink
 from dynarl.runtime.manager import GroupManager
+from dynarl.runtime.prometheus import MetricsExporter
 from dynarl.runtime.spec import ComponentSpec, RuntimeConfig
 from dynarl.runtime.wire import Done, Shutdown
 from dynarl.sched.events import MonotonicClock, SchedulerEvent, Tick
@@ -95,6 +98,7 @@ class Controller:
         self._stop = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self.metrics: MetricsExporter | None = None
         self.bus = BusConfig(
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             num_missed_heartbeats=self.config.num_missed_heartbeats,
@@ -149,6 +153,12 @@ class Controller:
             group.create_task(self.scheduler.run(self._event_stream(), self.coordinator)),
             group.create_task(self._tick()),
         ]
+        if self.config.metrics_port is not None:
+            # After the task group: a failure to bind is cleaned up by aclose().
+            self.metrics = MetricsExporter(
+                self.scheduler, host=self.config.metrics_host, port=self.config.metrics_port
+            )
+            await self.metrics.start()
         logger.info("controller listening on %s", self.address)
         return self
 
@@ -206,6 +216,8 @@ class Controller:
                 await manager.aclose()
             await self.publisher.aclose()
             await self.server.aclose()
+            if self.metrics is not None:
+                await self.metrics.aclose()
             self.ledger.close()
             del self.store
 
@@ -301,5 +313,7 @@ class Controller:
     def _on_peer(self, event: PeerEvent) -> None:
         if event.event == "lost":
             logger.warning("peer %s lost", event.peer)
+        if self.metrics is not None:
+            self.metrics.peer_event(event.event)
         if getattr(self, "publisher", None) is not None:
             self.publisher.publish("peer", event)

@@ -38,6 +38,7 @@ from dynarl.runtime.faults import FaultInjector
 from dynarl.runtime.launcher import LocalLauncher
 from dynarl.runtime.options import WorkerOptions
 from dynarl.runtime.progress import Item
+from dynarl.runtime.prometheus import MetricsExporter
 from dynarl.runtime.spec import ComponentSpec, RuntimeConfig
 from dynarl.runtime.wire import CallResult
 from dynarl.sched.decision import DeviceMove
@@ -177,6 +178,12 @@ class Job:
     def ledger(self) -> Ledger:
         """Every decision and migration record (also in ``run_dir/events.jsonl``)."""
         return self._controller.ledger
+
+    @property
+    def metrics(self) -> MetricsExporter | None:
+        """The Prometheus endpoint (``RuntimeConfig.metrics_port``), or None; feed it the
+        ``dynamic_resource/*`` metrics with ``record_cycle``."""
+        return self._controller.metrics
 
     @property
     def scheduler(self) -> Scheduler:

@@ -163,6 +163,11 @@ class RuntimeConfig:
     """The decision plane's settings."""
     faults: tuple[Fault, ...] = ()
     """Faults to inject at named migration phases (tests)."""
+    metrics_port: int | None = None
+    """Port of the controller's Prometheus endpoint (None: none; 0: a free port; needs the
+    ``metrics`` extra)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds (loopback unless set: it has no authentication)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -185,6 +190,10 @@ class RuntimeConfig:
         if self.num_missed_heartbeats < 1 or self.channel_capacity < 1:
             raise ValueError(
                 "RuntimeConfig.num_missed_heartbeats and channel_capacity must be >= 1"
+            )
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(
+                f"RuntimeConfig.metrics_port must be in [0, 65535], got {self.metrics_port}"
             )
         if self.collective_timeout_s >= self.request_timeout_s:
             raise ValueError("RuntimeConfig.collective_timeout_s must be below request_timeout_s")
