@@ -42,7 +42,8 @@ def format_summary(summary: LedgerSummary, *, source: str = "") -> str:
     span = s.end - s.start
     lines = [
         f"ledger {source}: {s.num_records} records over {span:.1f} s "
-        f"({s.start:.1f} to {s.end:.1f} s), {s.num_rounds} decision rounds, "
+        f"(clock {s.start:.1f} to {s.end:.1f} s; times below are from the first record), "
+        f"{s.num_rounds} decision rounds, "
         f"{s.num_committed} committed moves"
         + (f", {s.operator_moves} operator moves" if s.operator_moves else "")
     ]
@@ -110,7 +111,7 @@ def _moves(s: LedgerSummary) -> list[str]:
     rows = [
         [
             m.decision_id,
-            f"{m.time:.1f} s",
+            f"{m.time - s.start:.1f} s",
             _change(m),
             _seconds(m.predicted_gain_s),
             _seconds(m.predicted_cost_s),
@@ -233,8 +234,8 @@ def _iterations(s: LedgerSummary) -> list[str]:
     rows = [
         [
             str(i.iteration),
-            f"{i.start:.1f} s",
-            f"{i.end:.1f} s",
+            f"{i.start - s.start:.1f} s",
+            f"{i.end - s.start:.1f} s",
             f"{i.end - i.start:.1f} s" + ("" if i.complete else " (open)"),
             str(i.moves),
         ]
@@ -250,7 +251,7 @@ def _reasons(title: str, counts: Mapping[str, int]) -> list[str]:
 def _safe_mode(s: LedgerSummary) -> list[str]:
     lines = [f"Safe mode: {s.safe_mode_s:.1f} s in {len(s.safe_mode)} episode(s)"]
     for e in s.safe_mode:
-        end = f"{e.end:.1f} s" if e.end is not None else "end of ledger"
+        end = f"{e.end - s.start:.1f} s" if e.end is not None else "end of ledger"
         who = " (operator)" if e.operator else ""
-        lines.append(f"  {e.start:.1f} s to {end}: {e.reason}{who}")
+        lines.append(f"  {e.start - s.start:.1f} s to {end}: {e.reason}{who}")
     return lines
