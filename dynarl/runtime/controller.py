@@ -46,7 +46,7 @@ from dynarl.runtime.spec import ComponentSpec, RuntimeConfig
 from dynarl.runtime.wire import Done, Shutdown
 from dynarl.sched.events import MonotonicClock, SchedulerEvent, Tick
 from dynarl.sched.ledger import Ledger
-from dynarl.sched.predictor import RegressionPredictor
+from dynarl.sched.predictor import RegressionPredictor, ThroughputPredictor
 from dynarl.sched.scheduler import Scheduler
 from dynarl.types import Allocation
 
@@ -63,8 +63,10 @@ class Controller:
 
     ``store``: the job's store when a launcher already holds one (torchrun), else the
     controller hosts a TCPStore on loopback; ``bind`` and ``curve``: the bus server's
-    address and CURVE settings (required for a routable address). Raises ValueError for
-    components with clashing names or devices.
+    address and CURVE settings (required for a routable address); ``predictor``: the
+    scheduler's throughput predictor (None: a
+    :class:`~dynarl.sched.RegressionPredictor` over the components' profiles). Raises
+    ValueError for components with clashing names or devices.
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class Controller:
         store: Store | None = None,
         bind: str = "tcp://127.0.0.1:0",
         curve: CurveServer | None = None,
+        predictor: ThroughputPredictor | None = None,
     ) -> None:
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
@@ -94,6 +97,7 @@ class Controller:
         self._initial = initial
         self._kill, self._journal = kill, journal
         self._given_store, self._bind, self._curve = store, bind, curve
+        self._predictor = predictor
         self._events: asyncio.Queue[SchedulerEvent | None] = asyncio.Queue()
         self._stop = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
@@ -170,7 +174,9 @@ class Controller:
         self.scheduler = Scheduler(
             graph={name: spec.node() for name, spec in self.specs.items()},
             allocation=self._initial,
-            predictor=RegressionPredictor(profiles),
+            predictor=(
+                self._predictor if self._predictor is not None else RegressionPredictor(profiles)
+            ),
             cost=self.cost,
             clock=clock,
             config=self.config.scheduler,
