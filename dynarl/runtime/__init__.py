@@ -10,11 +10,22 @@
   :class:`Reshardable`, :class:`Checkpointing`);
 - :class:`LocalLauncher`, :class:`PlannerCost`, fault injection (:class:`Fault`), the
   Prometheus endpoint (:class:`MetricsExporter`).
+
+Durability and accounting (used by the controller):
+
+- :class:`Journal` / :func:`recover`: the append-only, fsynced allocation journal (framed
+  MessagePack records with CRC-32) and the state a restarted controller recovers from it;
+- :class:`CheckpointStore`: checkpoints binding model version, trainer and optimizer
+  tensors (in a ``dynarl.migrate`` layout, restorable into another), RNG states and the
+  sample cursor; atomic, verified, last K kept;
+- :class:`SampleSource`: the deterministic, seekable sample stream;
+- :class:`Manifest`: exactly-once accounting of every sample from issue to the trainer.
 """
 
 from __future__ import annotations
 
 from dynarl.runtime.agent import WorkerAgent
+from dynarl.runtime.checkpoint import CheckpointManifest, CheckpointRef, CheckpointStore
 from dynarl.runtime.controller import Controller
 from dynarl.runtime.coordinator import Coordinator, plan_moves
 from dynarl.runtime.cost import PlannerCost
@@ -22,12 +33,34 @@ from dynarl.runtime.dispatch import Dispatcher
 from dynarl.runtime.durability import AllocationJournal, MoveJournal
 from dynarl.runtime.faults import Fault, FaultAction, FaultInjector, InjectedFault
 from dynarl.runtime.job import Job, JobConfig
+from dynarl.runtime.journal import Journal, JournalRead, read_journal, recover
 from dynarl.runtime.launcher import LocalLauncher
 from dynarl.runtime.link import WorkerLink
 from dynarl.runtime.manager import GroupManager
+from dynarl.runtime.manifest import (
+    Manifest,
+    ManifestConfig,
+    ManifestReport,
+    StepManifest,
+    Violation,
+    step_digests,
+)
 from dynarl.runtime.moves import ComponentMove
 from dynarl.runtime.options import WorkerOptions
 from dynarl.runtime.prometheus import MetricsExporter
+from dynarl.runtime.records import (
+    AllocationCommitted,
+    CheckpointSaved,
+    JournalHeader,
+    JournalRecord,
+    JournalState,
+    MigrationBegun,
+    MigrationEnded,
+    MigrationStepped,
+    Restored,
+    StepCompleted,
+)
+from dynarl.runtime.rng import RngState, capture_rng, restore_rng
 from dynarl.runtime.role import (
     Checkpointing,
     ComputeThread,
@@ -37,13 +70,20 @@ from dynarl.runtime.role import (
     RoleMetrics,
     Serving,
 )
+from dynarl.runtime.shard import ShardRecord, TensorEntry
 from dynarl.runtime.shardfile import load_shards, save_shards
+from dynarl.runtime.source import SampleSource, SourceConfig, Ticket
 from dynarl.runtime.spec import ComponentSpec, RuntimeConfig
 from dynarl.runtime.wire import CallResult
 
 __all__ = [
+    "AllocationCommitted",
     "AllocationJournal",
     "CallResult",
+    "CheckpointManifest",
+    "CheckpointRef",
+    "CheckpointSaved",
+    "CheckpointStore",
     "Checkpointing",
     "ComponentMove",
     "ComponentSpec",
@@ -58,20 +98,46 @@ __all__ = [
     "InjectedFault",
     "Job",
     "JobConfig",
+    "Journal",
+    "JournalHeader",
+    "JournalRead",
+    "JournalRecord",
+    "JournalState",
     "LocalLauncher",
+    "Manifest",
+    "ManifestConfig",
+    "ManifestReport",
     "MetricsExporter",
+    "MigrationBegun",
+    "MigrationEnded",
+    "MigrationStepped",
     "MoveJournal",
     "PlannerCost",
     "Reporting",
     "Reshardable",
+    "Restored",
+    "RngState",
     "RoleContext",
     "RoleMetrics",
     "RuntimeConfig",
+    "SampleSource",
     "Serving",
+    "ShardRecord",
+    "SourceConfig",
+    "StepCompleted",
+    "StepManifest",
+    "TensorEntry",
+    "Ticket",
+    "Violation",
     "WorkerAgent",
     "WorkerLink",
     "WorkerOptions",
+    "capture_rng",
     "load_shards",
     "plan_moves",
+    "read_journal",
+    "recover",
+    "restore_rng",
     "save_shards",
+    "step_digests",
 ]
