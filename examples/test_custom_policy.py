@@ -23,9 +23,7 @@ def test_every_request_is_served_once_and_none_starves(
     for request in requests:
         queue.push(request)
     arrival = {r.request_id: i for i, r in enumerate(requests)}
-    served: list[str] = []
-    for _ in requests:
-        served.append(queue.pop().request_id)
+    served = [queue.pop().request_id for _ in requests]
     assert sorted(served) == sorted(arrival)
     for position, request_id in enumerate(served):
         overtaken_by = sum(1 for other in served[:position] if arrival[other] > arrival[request_id])
