@@ -54,7 +54,9 @@ class AmdahlPredictor:
     requests_per_device: Mapping[str, float] = field(default_factory=dict)
     """Items one device keeps busy; caps the devices a tail can use (0: no cap)."""
     smoothing: float = 0.3
+    """Weight of a new measurement in the moving average of r."""
     errors: dict[str, list[float]] = field(default_factory=dict)
+    """Relative errors of the last 32 predictions per component (for the ledger)."""
 
     def _speedup(self, component: str, n: FloatArray) -> FloatArray:
         s = self.serial_fraction.get(component, 0.0)
