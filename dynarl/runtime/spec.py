@@ -21,6 +21,7 @@ from dynarl.runtime.faults import Fault
 from dynarl.sched.config import SchedulerConfig
 from dynarl.sched.graph import HyperNode
 from dynarl.sched.predictor import ComponentProfile
+from dynarl.sched.requests import RequestPolicy
 from dynarl.types import ComponentKind, MigrationKind
 
 __all__ = ["ComponentSpec", "RuntimeConfig"]
@@ -57,6 +58,9 @@ class ComponentSpec:
     """Items one worker serves at a time (serving components)."""
     keep_asleep: bool = True
     """Released roles sleep with their state (True) or are torn down (False)."""
+    request_policy: RequestPolicy | None = None
+    """Order of the items waiting for each worker (serving components; None: DynaRL's
+    priority — completed tool calls, then cached prefix — with bounded overtaking)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.role, type) and issubclass(self.role, WorkerGroup)):
