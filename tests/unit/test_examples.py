@@ -56,3 +56,15 @@ def test_the_user_property_test_of_the_custom_policies_passes() -> None:
         "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLES / "test_custom_policy.py")
     )
     assert re.search(r"\b3 passed\b", out), out
+
+
+def test_the_scheduler_in_virtual_time_moves_the_tail_to_the_trainer() -> None:
+    out = run(str(EXAMPLES / "sched_virtual_time.py"))
+    assert re.search(r"move: \{'rollout': 12, 'trainer': 4\} -> \{'rollout': \d+", out), out
+    assert "commit: saves" in out and "hold: no donor" in out
+
+
+def test_the_reshard_plan_example_prints_its_plans() -> None:
+    out = run(str(EXAMPLES / "reshard_plan.py"))
+    assert re.search(r"-> tp\d+-pp\d+-dp\d+", out), out
+    assert "weight sync to" in out
