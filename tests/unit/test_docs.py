@@ -15,6 +15,7 @@ elsewhere, or that cannot run here, are in :data:`SKIPPED`, each with its reason
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -55,6 +56,8 @@ class Block:
     language: str
     code: str
     file: str = ""
+    shown: str = ""
+    """The ``text`` block right after this one: its output, as the document shows it."""
 
     @property
     def name(self) -> str:
@@ -67,19 +70,33 @@ _FILE = re.compile(r"<!-- file: ([\w./-]+) -->\n$")
 
 def blocks_of(path: Path) -> list[Block]:
     text = path.read_text()
-    blocks = []
+    blocks: list[Block] = []
+    end = -1
     for match in _FENCE.finditer(text):
         named = _FILE.search(text, max(0, match.start() - 200), match.start())
-        blocks.append(
-            Block(
-                path=path,
-                line=text.count("\n", 0, match.start()) + 1,
-                language=match.group(1).strip(),
-                code=textwrap.dedent(match.group(2)),
-                file=named.group(1) if named else "",
-            )
+        block = Block(
+            path=path,
+            line=text.count("\n", 0, match.start()) + 1,
+            language=match.group(1).strip(),
+            code=textwrap.dedent(match.group(2)),
+            file=named.group(1) if named else "",
         )
+        adjacent = blocks and not text[end : match.start()].strip()
+        if adjacent and block.language == "text" and blocks[-1].language in EXECUTED:
+            blocks[-1] = dataclasses.replace(blocks[-1], shown=block.code)
+        blocks.append(block)
+        end = match.end()
     return blocks
+
+
+def missing_output(shown: str, out: str) -> list[str]:
+    """Lines of ``shown`` (but those with an ellipsis) not found in ``out``, in order."""
+    actual = iter(line.rstrip() for line in out.splitlines())
+    return [
+        line.rstrip()
+        for line in shown.splitlines()
+        if line.strip() and "..." not in line and line.rstrip() not in actual
+    ]
 
 
 BLOCKS = [block for path in DOCUMENTS for block in blocks_of(path)]
@@ -187,6 +204,10 @@ def test_the_blocks_run_in_order(path: Path, tmp_path: Path) -> None:
             argv = ["bash", "-euo", "pipefail", str(script)]
         code, out = asyncio.run(_run_with_bus(argv, work))
         assert code == 0, f"{block.name} failed ({code}):\n{out[-4000:]}"
+        skipped = any(_skip_reason(c) for c in _commands(block.code)) and block.language != "python"
+        if block.shown and not skipped:
+            missing = missing_output(block.shown, out)
+            assert not missing, f"{block.name} did not print {missing}:\n{out[-4000:]}"
 
 
 # ---------------------------------------------------------------------------- links
@@ -234,6 +255,14 @@ def broken_links(path: Path) -> list[str]:
 @pytest.mark.parametrize("path", DOCUMENTS, ids=[str(p.relative_to(ROOT)) for p in DOCUMENTS])
 def test_links_and_named_paths_resolve(path: Path) -> None:
     assert broken_links(path) == []
+
+
+def test_shown_output_is_compared_in_order_with_ellipses_skipped() -> None:
+    out = "a\nb 1\nc\nd\n"
+    assert missing_output("a\n...\nc\n", out) == []
+    assert missing_output("c\na\n", out) == ["a"]
+    assert missing_output("b 2 (...)\nd\n", out) == []
+    assert missing_output("b 2\n", out) == ["b 2"]
 
 
 def test_the_link_check_finds_what_is_broken(tmp_path: Path) -> None:

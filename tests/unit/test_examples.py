@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 EXAMPLES = ROOT / "examples"
 
@@ -68,3 +70,11 @@ def test_the_reshard_plan_example_prints_its_plans() -> None:
     out = run(str(EXAMPLES / "reshard_plan.py"))
     assert re.search(r"-> tp\d+-pp\d+-dp\d+", out), out
     assert "weight sync to" in out
+
+
+@pytest.mark.slow
+def test_the_reference_grpo_example_trains() -> None:
+    out = run(str(EXAMPLES / "reference_grpo.py"), timeout=600)
+    steps = re.findall(r"^step +(\d+) +reward (\d\.\d+)", out, re.MULTILINE)
+    assert len(steps) >= 2, out
+    assert out.startswith("warm-up loss") and "generated" in out.splitlines()[-1]
