@@ -39,8 +39,8 @@ from dynarl.backends.reference.experiment import (
     profiles_from,
     run_plan,
 )
-from dynarl.sim import compare as sim_compare
-from dynarl.sim import workload_from_dict
+from dynarl.sched import FifoPolicy
+from dynarl.sim import DynarlPolicy, Simulation, workload_from_dict
 
 
 async def _all_runs(config: ExperimentConfig, setup: Any, root: Path) -> Comparison:
@@ -134,6 +134,8 @@ def sim_workload(config: ExperimentConfig, measured: RunResult) -> dict[str, Any
         "agentic": {
             "mean_tool_calls": max(0.0, turns - 1.0),
             "max_tool_calls": 8,
+            "turn_decay": 1.0,
+            "tool_timeout_s": 30.0,
             "tool_latency_median_s": config.tool_median_s,
             "tool_latency_sigma": config.tool_sigma,
             "observation_median": 5.0,
@@ -157,8 +159,15 @@ def sim_prediction(config: ExperimentConfig, measured: RunResult) -> float | Non
     simulator rejects the workload)."""
     try:
         workload = workload_from_dict(sim_workload(config, measured))
-        (result,) = sim_compare(workload, ("dynarl",))
-    except (ValueError, KeyError, TypeError) as exc:
+        # The simulator's dynarl starts from a static partition (it models no
+        # sequential phases): one device each for rollout and trainer, none for a
+        # separate inference stage (the reference trainer scores its own samples).
+        n = config.num_devices
+        partition = {"rollout": n - n // 2, "inference": 0, "trainer": n // 2}
+        result = Simulation(workload, request_policy=FifoPolicy).run(
+            DynarlPolicy(partition=partition)
+        )
+    except (KeyError, TypeError, ValueError) as exc:
         print(f"simulator: {exc}", file=sys.stderr)
         return None
     return float(result.iteration_s)

@@ -165,7 +165,40 @@ def write_run_dir(run_dir: Path, comparison: Any) -> None:
         for r in runs
     }
     (run_dir / "steps.json").write_text(json.dumps(steps, indent=1), encoding="utf-8")
+    plot_runs(run_dir, runs)
     (run_dir / "summary.md").write_text(format_summary(comparison, run_dir=run_dir), "utf-8")
+
+
+def plot_runs(run_dir: Path, runs: Sequence[Any]) -> None:
+    """``timeline.png`` (devices per component over time, one panel per run) and
+    ``curves.png`` (reward and loss per step, every run)."""
+    from dynarl.plots import allocation_timelines, line_panels
+
+    timelines = {}
+    for r in runs:
+        points = list(r.timeline)
+        if points:
+            points.append((max(r.wall_s, points[-1][0]), points[-1][1]))
+        names = sorted({name for _, counts in points for name in counts})
+        times = [t for t, _ in points]
+        devices = {n: [float(c.get(n, 0)) for _, c in points] for n in names}
+        timelines[f"{r.label}  ({r.wall_s:.1f} s)"] = (times, devices, r.step_starts)
+    allocation_timelines(
+        run_dir / "timeline.png",
+        timelines,
+        title="devices per component (dotted: step starts)",
+    )
+    steps = {r.label: [float(s.step) for s in r.steps] for r in runs}
+    line_panels(
+        run_dir / "curves.png",
+        {
+            "mean reward": {
+                r.label: (steps[r.label], [s.mean_reward for s in r.steps]) for r in runs
+            },
+            "loss": {r.label: (steps[r.label], [s.loss for s in r.steps]) for r in runs},
+        },
+        title="GRPO reward and loss per step (identical runs overlap)",
+    )
 
 
 def format_summary(comparison: Any, *, run_dir: Path, total_s: float | None = None) -> str:

@@ -1,18 +1,18 @@
 """The reference GRPO job on the runtime: what it computes does not depend on the schedule.
 
-One small job (two worker processes, chain-sum task, deterministic mode) runs under
-static sequential, a static split and dynarl with a scheduler tuned to move devices as
-soon as it can. ARCHITECTURE §10: the per-step manifests (sample ids, micro-batch
-composition, update order) are identical; in deterministic mode so are the rewards and
-the trainer's state (parameters and Adam moments, by SHA-256) after every step; every
-reshard of the trainer keeps its checksum. Under dynarl the scheduler really moved devices
-and the trainer really learned micro-batches before the rollout ended.
+One small job (two worker processes, the multi-turn calculator task, deterministic mode)
+runs under static sequential, a static split and dynarl with a scheduler tuned to move
+devices as soon as it can (mid-rollout: generations are aborted and resumed elsewhere).
+ARCHITECTURE §10: the per-step manifests (sample ids, micro-batch composition, update
+order) are identical; in deterministic mode so are the rewards and the trainer's state
+(parameters and Adam moments, by SHA-256) after every step; every reshard of the trainer
+keeps its checksum. Under dynarl the scheduler really moved devices and the trainer
+really learned micro-batches before the rollout ended.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,13 +33,15 @@ CONFIG = ExperimentConfig(
     num_devices=2,
     num_steps=2,
     num_prompts=6,
-    task="chain_sum",
+    task="tool_calc",
     group_size=4,
     hidden_size=64,
     num_layers=2,
-    max_response_tokens=48,
+    max_response_tokens=64,
+    tool_median_s=0.1,
+    tool_sigma=0.3,
     lr=1e-3,
-    sft_steps=40,
+    sft_steps=60,
     # Every engine counts as idle at once: the scheduler moves a device mid-rollout.
     util_low=1.0,
     donor_window_s=0.1,
@@ -58,7 +60,6 @@ PROFILES = {
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
     root = tmp_path_factory.mktemp("reference-job")
     setup = prepare_setup(CONFIG, root / "cache")
-    setup = replace(setup, median_terms=2.0, sigma=0.6, max_terms=12)
 
     async def all_runs() -> dict[str, RunResult]:
         out = {}
@@ -85,9 +86,8 @@ def test_manifests_rewards_and_parameters_identical_across_schedules(
     assert result.checksums_equal
     steps = runs["sequential"].steps
     assert [len(s.manifest) for s in steps] == [CONFIG.num_prompts * CONFIG.group_size] * 2
-    # The job learns something: some episodes are rewarded, not all.
-    rewards = [r for s in steps for r in s.rewards]
-    assert 0 < sum(rewards) < len(rewards)
+    # Every run reached the same trainer state: it was updated at every step.
+    assert len({s.checksum for s in steps}) == CONFIG.num_steps
 
 
 def test_dynarl_moved_devices_and_learned_before_the_rollout_ended(

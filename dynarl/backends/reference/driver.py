@@ -220,6 +220,7 @@ class GRPODriver:
 
     ``chunk_micros``: micro-batches one trainer rank learns per call (short calls let a
     move of the trainer start soon). ``observer`` is called on every change of progress.
+    ``resume_where_left`` (dynarl): see the attribute.
     """
 
     def __init__(
@@ -231,12 +232,16 @@ class GRPODriver:
         num_prompts: int,
         chunk_micros: int = 1,
         observer: Observer | None = None,
+        resume_where_left: bool = True,
     ) -> None:
         if num_prompts < 1 or chunk_micros < 1:
             raise ValueError("GRPODriver needs num_prompts >= 1 and chunk_micros >= 1")
         self.job, self.setup, self.plan = job, setup, plan
         self.num_prompts, self.chunk_micros = num_prompts, chunk_micros
         self.observer = observer
+        self.resume_where_left = resume_where_left
+        """dynarl: start a rollout with the trainer where the scheduler had put it when
+        the last rollout ended (False: every rollout starts on every device)."""
         self.task = setup.make_task()
         self.tool = ToolWorker(latency=setup.tool_latency, seed=setup.seed)
         self.version = 0
@@ -246,6 +251,7 @@ class GRPODriver:
         self._final = False
         self._turns = 0
         self.reshards_verified = 0
+        self._left = False
         """Trainer reshards whose state checksum was checked equal before and after."""
 
     # ------------------------------------------------------------------ phases
@@ -306,6 +312,13 @@ class GRPODriver:
         self._progress("switch")
         plan, now = self.plan, self.job.allocation
         target = plan.rollout_phase()
+        if plan.schedule is Schedule.DYNARL and self.resume_where_left and self._left:
+            # Start the next rollout where the scheduler left the last one: if it had
+            # given the trainer its home device, the trainer keeps it (and learns each
+            # group as it completes); the scheduler may move it back when rollout needs it.
+            home = plan.home
+            rest = tuple(d for d in plan.devices if d not in home)
+            target = Allocation.of({"rollout": rest, "trainer": home})
         if plan.schedule is Schedule.DYNARL and set(now.devices("trainer")) - set(plan.home):
             # The trainer keeps its state on its home device only: shrink by P2P first.
             rest = tuple(d for d in plan.devices if d not in plan.home)
@@ -361,6 +374,7 @@ class GRPODriver:
             learner = group.create_task(self._learn(episodes, ready, changed))
             await self._collect(episodes, ready, changed, group)
             phases["rollout"] = time.perf_counter() - began
+            self._left = bool(self.job.allocation.devices("trainer"))
             learned_early = len(self._learned)
             if dynarl:
                 self.job.operator("observe_only", "learner phase")

@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from dynarl.backends.reference.driver import (
     DriverProgress,
     GRPODriver,
@@ -74,7 +76,7 @@ class ExperimentConfig:
     """Seeds the model, the problems and sampling: the same in every run."""
     task: str = "tool_calc"
     """``tool_calc`` (multi-turn with the calculator) or ``chain_sum`` (single turn)."""
-    group_size: int = 8
+    group_size: int = 16
     """Episodes per prompt."""
     hidden_size: int = 128
     """Width of the model."""
@@ -82,12 +84,19 @@ class ExperimentConfig:
     """Transformer blocks."""
     max_response_tokens: int = 120
     """Token budget of one episode's response (tool results included)."""
+    max_products: int = 3
+    """tool_calc: most products per prompt (2k - 1 calculator calls for k products)."""
+    max_operand: int = 9
+    """tool_calc: largest operand."""
     tool_median_s: float = 0.3
     """Median calculator latency, seconds (environment time, the same in every run)."""
     tool_sigma: float = 0.6
     """Log-space spread of the calculator latency."""
     lr: float = 1e-4
     """RL learning rate."""
+    kl_coef: float = 0.01
+    """Weight of the KL penalty to the initial policy (the trainer scores every sample
+    under the reference weights)."""
     sft_steps: int = 200
     """Supervised warm-start steps before RL."""
     deterministic: bool = True
@@ -119,10 +128,12 @@ class ExperimentConfig:
         return ReferenceSetup(
             model=model,
             train=TrainConfig(
-                lr=self.lr, deterministic=self.deterministic, grpo=GRPOConfig(kl_coef=0.0)
+                lr=self.lr, deterministic=self.deterministic, grpo=GRPOConfig(kl_coef=self.kl_coef)
             ),
             engine=EngineConfig(deterministic=self.deterministic),
             task=self.task,
+            max_products=self.max_products,
+            max_operand=self.max_operand,
             group_size=self.group_size,
             max_response_tokens=self.max_response_tokens,
             seed=self.seed,
@@ -155,7 +166,15 @@ class ExperimentConfig:
         """Digest of what the initial weights depend on (the warm-start cache key)."""
         setup = self.setup()
         text = json.dumps(
-            [repr(setup.model), setup.task, self.sft_steps, self.seed, setup.max_response_tokens]
+            [
+                repr(setup.model),
+                setup.task,
+                self.sft_steps,
+                self.seed,
+                setup.max_response_tokens,
+                self.max_products,
+                self.max_operand,
+            ]
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -168,7 +187,12 @@ def prepare_setup(config: ExperimentConfig, cache_dir: str | Path) -> ReferenceS
     path = Path(cache_dir) / f"init-{config.key()}.pt"
     if not path.exists():
         began = time.perf_counter()
-        weights = warm_start(setup, num_steps=config.sft_steps, lr=3e-3)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # one compute thread, as on the job's devices
+        try:
+            weights = warm_start(setup, num_steps=config.sft_steps, lr=3e-3)
+        finally:
+            torch.set_num_threads(threads)
         tmp = path.with_suffix(".tmp")
         save_weights_file(tmp, weights)
         tmp.replace(path)

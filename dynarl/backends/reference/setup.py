@@ -57,6 +57,10 @@ class ReferenceSetup:
     """chain_sum: most digits of a prompt."""
     dataset_size: int = 0
     """0: fresh problems every step; n: a fixed set of n problems, cycled."""
+    max_products: int = 4
+    """tool_calc: most products in a prompt (an episode makes 2k - 1 calls for k)."""
+    max_operand: int = 20
+    """tool_calc: operands are drawn from [2, max_operand]."""
     group_size: int = 8
     """Samples per prompt (GRPO's group; one micro-batch per group)."""
     max_response_tokens: int = 96
@@ -101,7 +105,13 @@ class ReferenceSetup:
         """The task (``seed_offset`` draws another problem set, e.g. for the warm start)."""
         seed = self.seed + seed_offset
         if self.task == "tool_calc":
-            return ToolCalcTask(seed=seed, dataset_size=self.dataset_size)
+            return ToolCalcTask(
+                seed=seed,
+                dataset_size=self.dataset_size,
+                min_products=min(2, self.max_products),
+                max_products=self.max_products,
+                max_operand=self.max_operand,
+            )
         return ChainSumTask(
             seed=seed,
             median_terms=self.median_terms,
