@@ -107,6 +107,9 @@ class ExperimentConfig:
     """T of the scheduler for this job: seconds an engine idles before it counts."""
     min_move_interval_s: float = 1.0
     """Least time between two of the scheduler's moves, seconds."""
+    resume_where_left: bool = True
+    """dynarl: a rollout starts where the scheduler left the trainer at the end of the
+    last one (False: on every device, the trainer growing and shrinking at each step)."""
 
     def __post_init__(self) -> None:
         if self.num_devices < 2:
@@ -265,7 +268,14 @@ async def run_plan(
             if observer is not None:
                 observer(label, progress)
 
-        driver = GRPODriver(job, setup, plan, num_prompts=config.num_prompts, observer=forward)
+        driver = GRPODriver(
+            job,
+            setup,
+            plan,
+            num_prompts=config.num_prompts,
+            observer=forward,
+            resume_where_left=config.resume_where_left,
+        )
         await driver.prepare()
         clock = job.scheduler.clock
         origin = clock.now()
