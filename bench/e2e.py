@@ -22,11 +22,13 @@ import argparse
 import asyncio
 import json
 import logging
+import multiprocessing
 import statistics
 import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 from dynarl.backends.reference.experiment import (
@@ -154,23 +156,37 @@ def sim_workload(config: ExperimentConfig, measured: RunResult) -> dict[str, Any
     }
 
 
-def sim_prediction(config: ExperimentConfig, measured: RunResult) -> float | None:
-    """The simulator's mean iteration time of dynarl for this setup (None if the
-    simulator rejects the workload)."""
+def _simulate(workload_dict: dict[str, Any], n: int, out: Any) -> None:
+    workload = workload_from_dict(workload_dict)
+    # The simulator's dynarl starts from a static partition (it models no sequential
+    # phases): rollout and trainer share the devices, no separate inference stage (the
+    # reference trainer scores its own samples).
+    partition = {"rollout": n - n // 2, "inference": 0, "trainer": n // 2}
+    result = Simulation(workload, request_policy=FifoPolicy).run(DynarlPolicy(partition=partition))
+    out.put(float(result.iteration_s))
+
+
+def sim_prediction(
+    config: ExperimentConfig, measured: RunResult, *, timeout_s: float = 120.0
+) -> tuple[float | None, str]:
+    """The simulator's mean iteration time of dynarl for this setup, or None and why
+    (the simulator rejected the workload, or did not finish within ``timeout_s``)."""
     try:
-        workload = workload_from_dict(sim_workload(config, measured))
-        # The simulator's dynarl starts from a static partition (it models no
-        # sequential phases): one device each for rollout and trainer, none for a
-        # separate inference stage (the reference trainer scores its own samples).
-        n = config.num_devices
-        partition = {"rollout": n - n // 2, "inference": 0, "trainer": n // 2}
-        result = Simulation(workload, request_policy=FifoPolicy).run(
-            DynarlPolicy(partition=partition)
-        )
+        workload = sim_workload(config, measured)
+        workload_from_dict(workload)
     except (KeyError, TypeError, ValueError) as exc:
-        print(f"simulator: {exc}", file=sys.stderr)
-        return None
-    return float(result.iteration_s)
+        return None, f"workload rejected: {exc}"
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_simulate, args=(workload, config.num_devices, queue))
+    child.start()
+    try:
+        return queue.get(timeout=timeout_s), ""
+    except Empty:
+        return None, f"the simulation did not finish within {timeout_s:.0f} s"
+    finally:
+        child.terminate()
+        child.join(10)
 
 
 def main() -> int:
@@ -195,11 +211,14 @@ def main() -> int:
             f"pause {run.pause_s:.2f} s  learned early "
             f"{sum(s.learned_early for s in run.steps)}"
         )
-    predicted = sim_prediction(config, result.sequential)
+    predicted, why = sim_prediction(config, result.sequential)
     measured = _mean_step(result.dynarl)
     error = None if predicted is None else abs(predicted - measured) / measured
     if predicted is not None:
         print(f"simulator: dynarl {predicted:.2f} s/step predicted, {measured:.2f} measured")
+    else:
+        print(f"simulator: no prediction ({why})")
+    sys.stdout.flush()
     print(
         json.dumps(
             {
@@ -210,6 +229,7 @@ def main() -> int:
                 "rewards_equal": result.rewards_equal,
                 "checksums_equal": result.checksums_equal,
                 "sim_prediction_error": None if error is None else round(error, 4),
+                "sim_note": why,
                 "dynarl_s": round(result.dynarl.wall_s, 3),
                 "sequential_s": round(result.sequential.wall_s, 3),
                 "best_split_s": round(result.best_split.wall_s, 3),
