@@ -14,7 +14,11 @@
   :class:`ReferenceTools`, :class:`ReferenceTrainer` (streamed GRPO steps, P2P
   resharding, weight sync planned by ``dynarl.migrate``), configured by one
   :class:`ReferenceSetup`; :class:`GRPODriver` runs GRPO on a ``dynarl.Job`` under a
-  :class:`Schedule` (dynarl, static sequential, static split).
+  :class:`Schedule` (dynarl, static sequential, static split);
+* experiments: :func:`run_plan` runs the job once under a :class:`RunPlan` on a fresh
+  ``dynarl.Job``, :func:`compare` sets dynarl against the static schedules
+  (:class:`ExperimentConfig`, :class:`RunResult`, :class:`Comparison`) — what
+  ``dynarl demo`` and ``bench/e2e.py`` run.
 
 Importing this package imports Megatron-core (after applying the CPU shim).
 """
@@ -23,16 +27,19 @@ from __future__ import annotations
 
 from dynarl.backends.reference.accumulate import GradientBook
 from dynarl.backends.reference.decoder import Decoder, DecoderRows
-from dynarl.backends.reference.driver import (
-    DriverProgress,
-    GRPODriver,
-    RunPlan,
-    Schedule,
-    StepReport,
-    reference_components,
-)
+from dynarl.backends.reference.driver import GRPODriver
 from dynarl.backends.reference.engine import EngineConfig, RolloutEngine
 from dynarl.backends.reference.episodes import Episodes, ToolCall
+from dynarl.backends.reference.experiment import (
+    Comparison,
+    ExperimentConfig,
+    RunResult,
+    compare,
+    plans,
+    prepare_setup,
+    profiles_from,
+    run_plan,
+)
 from dynarl.backends.reference.grpo import (
     GRPOConfig,
     PolicyLoss,
@@ -54,6 +61,13 @@ from dynarl.backends.reference.model import (
     local_world,
     param_layout,
     solo_process_group,
+)
+from dynarl.backends.reference.plan import (
+    DriverProgress,
+    RunPlan,
+    Schedule,
+    StepReport,
+    reference_components,
 )
 from dynarl.backends.reference.prefix_cache import PrefixCache, PrefixMatch
 from dynarl.backends.reference.request import (
@@ -113,12 +127,14 @@ __all__ = [
     "Calculator",
     "ChainSumTask",
     "CharTokenizer",
+    "Comparison",
     "Decoder",
     "DecoderRows",
     "DriverProgress",
     "EngineConfig",
     "EngineStats",
     "Episodes",
+    "ExperimentConfig",
     "FifoQueue",
     "FinishReason",
     "GPTConfig",
@@ -147,6 +163,7 @@ __all__ = [
     "RolloutConfig",
     "RolloutEngine",
     "RunPlan",
+    "RunResult",
     "Sample",
     "Schedule",
     "SmokeConfig",
@@ -166,6 +183,7 @@ __all__ = [
     "TrainerState",
     "check_full_state",
     "collect_rollouts",
+    "compare",
     "environment_mask",
     "group_advantages",
     "kl_k3",
@@ -176,9 +194,13 @@ __all__ = [
     "param_layout",
     "param_specs",
     "per_target",
+    "plans",
     "policy_loss",
+    "prepare_setup",
+    "profiles_from",
     "reference_components",
     "run_grpo",
+    "run_plan",
     "sample_tokens",
     "sampling_uniform",
     "save_weights_file",

@@ -25,17 +25,17 @@ from pathlib import Path
 
 import torch
 
-from dynarl.backends.reference.driver import (
+from dynarl.backends.reference.driver import GRPODriver
+from dynarl.backends.reference.engine import EngineConfig
+from dynarl.backends.reference.grpo import GRPOConfig
+from dynarl.backends.reference.model import GPTConfig
+from dynarl.backends.reference.plan import (
     DriverProgress,
-    GRPODriver,
     RunPlan,
     Schedule,
     StepReport,
     reference_components,
 )
-from dynarl.backends.reference.engine import EngineConfig
-from dynarl.backends.reference.grpo import GRPOConfig
-from dynarl.backends.reference.model import GPTConfig
 from dynarl.backends.reference.setup import ReferenceSetup, save_weights_file, warm_start
 from dynarl.backends.reference.tools import ToolLatency
 from dynarl.backends.reference.trainer import TrainConfig
