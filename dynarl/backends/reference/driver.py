@@ -208,7 +208,8 @@ class GRPODriver:
         ready: list[int] = []
         changed = asyncio.Event()
         self.job.new_iteration()
-        self.job.set_remaining("trainer", 0)
+        # The trainer's work of this iteration: every micro-batch, complete or not yet.
+        self.job.set_remaining("trainer", episodes.num_groups)
         self._progress("rollout")
         if dynarl:
             self.job.operator("act", "rollout phase")
@@ -262,7 +263,7 @@ class GRPODriver:
             fresh = episodes.complete_groups()
             if fresh:
                 ready.extend(fresh)
-                self.job.set_remaining("trainer", len(ready) - len(self._learned))
+                self.job.set_remaining("trainer", episodes.num_groups - len(self._learned))
                 changed.set()
             self._progress()
 
@@ -297,7 +298,7 @@ class GRPODriver:
             for result in results:
                 done = str(result.values.get("computed", ""))
                 self._learned.update(int(g) for g in done.split(",") if g)
-            self.job.set_remaining("trainer", len(ready) - len(self._learned))
+            self.job.set_remaining("trainer", episodes.num_groups - len(self._learned))
             self._progress()
 
     async def _apply(self, episodes: Episodes) -> dict[str, MetaValue]:
