@@ -16,7 +16,12 @@ CPU:
   waits, the tail of long episodes), it moves a device to the trainer (workload
   migration: in-flight generations are aborted and resumed on the other engine), which
   learns the complete prompt groups at once; at the barrier the trainer grows by P2P
-  migration and shrinks back after the step.
+  migration when enough is left to learn, and shrinks back after the step; the next
+  rollout starts where the scheduler left the trainer.
+
+Where the gain comes from: rollout engines idle while episodes wait for the calculator
+and while the last episodes finish; the trainer's work on complete groups fills that
+time. Nothing sleeps in place of compute, and every schedule gets the same CPU.
 
 Live progress (rich) shows the step, episodes done, micro-batches learned and devices per
 component; at the end the side-by-side is printed and the run directory holds
