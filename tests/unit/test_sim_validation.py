@@ -37,13 +37,16 @@ def speedup(workload: str, policy: str, baseline: str) -> float:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="simulator: dynarl is ~1.13x static-sequential on math-7b-64gpu, not 1.4-1.7x. "
-    "Static-sequential is rollout on 64 GPUs (~405 s) then log-prob and training (~238 s "
-    "with switches); dynarl overlaps most of the latter, but its rollout phase takes ~495 s: "
-    "~23 s pass at each iteration start before Stage 1 (T = 4 s, then a 4 s migration) "
-    "hands the GPUs back, and the engines given away in the tail abort their requests, "
-    "which re-prefill and queue on the rest; the trainer then needs ~65-85 s more after "
-    "the last sample. The ideal-overlap bound is ~1.59x.",
+    reason="calibration: dynarl is ~1.19x static-sequential on math-7b-64gpu (539 s vs 644 s "
+    "per iteration), not 1.4-1.7x, and no policy can reach 1.4x on this calibration. "
+    "Static-sequential is rollout on 64 GPUs (~407 s, 413 s on dynarl's 60) then log-prob and "
+    "training (~237 s). Overlapping them needs rollout's tail devices, but the tail's long "
+    "contexts are KV-bandwidth bound: engines given away abort requests that re-prefill and "
+    "then decode slower on fewer engines. examples/workloads/overlap_bound.py replays rollout "
+    "under ~200 shrink schedules (least-loaded engines released, migrations free, inference "
+    "and training packed perfectly into the rest): the best iteration is ~490 s, a 1.31x "
+    "ceiling. dynarl's remaining gap to it: rollout's tail stretches to ~478 s and ~60 s of "
+    "training follows the last sample.",
 )
 def test_math_7b_64gpu_dynarl_over_static_sequential_is_1_4_to_1_7() -> None:
     ratio = speedup("math-7b-64gpu", "dynarl", "static-sequential")
@@ -65,12 +68,25 @@ def test_agentic_priority_beats_plain_dynarl_elsewhere(workload: str) -> None:
     assert speedup(workload, "dynarl+priority", "dynarl") > 1.0
 
 
-def test_u_low_sweep_has_a_plateau_with_losses_at_both_ends() -> None:
-    values = (0.01, 0.1, 0.2, 0.3, 0.5)
-    throughput = {v: result("math-1.5b-64gpu", "dynarl", "u_low", v).throughput for v in values}
-    plateau = min(throughput[v] for v in (0.1, 0.2, 0.3))
-    assert throughput[0.01] < plateau
-    assert throughput[0.5] < plateau
+def _u_low(value: float) -> float:
+    return result("math-1.5b-64gpu", "dynarl", "u_low", value).throughput
+
+
+def test_u_low_sweep_loses_at_0_01_against_the_plateau() -> None:
+    assert _u_low(0.01) < min(_u_low(v) for v in (0.1, 0.2, 0.3))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="on math-1.5b-64gpu every rollout engine stays below ~0.22 of its KV capacity "
+    "(8192 sequences over 60 engines of 2.4M tokens), so from U_low = 0.2 up Stage 1 flags "
+    "rollout as a donor T seconds into every iteration and Stage 2 alone decides: U_low 0.2, "
+    "0.3 and 0.5 give the same run. The paper's loss at 0.5 (-14.1%, 'reluctant to "
+    "reconfigure') would need the opposite of Stage 1's rule (a higher U_low means more "
+    "donors), or engines much fuller than this calibration's.",
+)
+def test_u_low_sweep_loses_at_0_5() -> None:
+    assert _u_low(0.5) < min(_u_low(v) for v in (0.1, 0.2, 0.3))
 
 
 def test_t_window_sweep_loses_at_32_and_64_seconds() -> None:
@@ -94,11 +110,13 @@ def _ramp(policy: str, gpus: int) -> float:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="held-out fact: the paper's trainer holds 52 GPUs at ~380 s with priority and 32 "
-    "at ~420 s without; the simulator gives 52 at ~445 s (+17%) and 32 at ~330 s (-22%). "
-    "Math requests never call tools, so DynaRL's priority key (tool calls, cached prefix) "
-    "barely reorders them and both runs follow one ramp (32 GPUs near 330 s, 52 near "
-    "445 s); the paper's gap between the two runs has no mechanism in this model.",
+    reason="held-out fact: the paper's trainer holds 52 GPUs at ~380 s with priority and 32 at "
+    "~420 s without; the simulator gives 52 at ~446 s with priority (+17%) and 32 at ~301 s "
+    "without (-28%). Both runs follow one ramp (32 GPUs near 300 s, 52 near 425-446 s): math "
+    "requests never call tools (k_r = 0) and a GRPO group's siblings share one engine and one "
+    "cached prompt, so DynaRL's key (k_r, m_r) orders them as FIFO does, and a re-dispatched "
+    "partial request finds nothing of its own cached on its new engine. The paper's gap "
+    "between the two runs has no mechanism in this model.",
 )
 def test_held_out_7b_timeline_within_15_percent() -> None:
     assert _ramp("dynarl+priority", 52) == pytest.approx(380.0, rel=0.15)
