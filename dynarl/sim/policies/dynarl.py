@@ -49,7 +49,11 @@ __all__ = ["DynarlPolicy"]
 
 
 class DynarlPolicy:
-    """The real scheduler in the loop (see the module docstring)."""
+    """The real scheduler in the loop (see the module docstring).
+
+    ``partition`` overrides the iteration-start allocation (default: ``start_partition``);
+    the barrier returns to it.
+    """
 
     asynchronous = False
 
