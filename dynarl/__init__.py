@@ -7,6 +7,8 @@ The public surface users touch directly is re-exported here; each package
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from dynarl.bus.channel import Channel
 from dynarl.bus.component import WorkerGroup
 from dynarl.errors import (
@@ -14,6 +16,7 @@ from dynarl.errors import (
     BusError,
     DeadlineExceeded,
     DynarlError,
+    IntegrityError,
     LeaseExpiredError,
     MigrationAborted,
     MigrationError,
@@ -25,6 +28,9 @@ from dynarl.errors import (
 )
 from dynarl.types import Allocation, ComponentKind, MigrationKind, ParallelDims
 
+if TYPE_CHECKING:
+    from dynarl.runtime import ComponentSpec, Job, JobConfig, RuntimeConfig
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -33,8 +39,12 @@ __all__ = [
     "BusError",
     "Channel",
     "ComponentKind",
+    "ComponentSpec",
     "DeadlineExceeded",
     "DynarlError",
+    "IntegrityError",
+    "Job",
+    "JobConfig",
     "LeaseExpiredError",
     "MigrationAborted",
     "MigrationError",
@@ -43,7 +53,19 @@ __all__ = [
     "PeerLostError",
     "ProtocolError",
     "RemoteError",
+    "RuntimeConfig",
     "SchedulingError",
     "WorkerError",
     "WorkerGroup",
 ]
+
+_RUNTIME = frozenset({"ComponentSpec", "Job", "JobConfig", "RuntimeConfig"})
+
+
+def __getattr__(name: str) -> Any:
+    # The runtime imports torch: loaded on first use, not by ``import dynarl``.
+    if name in _RUNTIME:
+        from dynarl import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

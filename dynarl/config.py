@@ -33,6 +33,9 @@ class DistEnv:
     """Port of the job's TCPStore."""
     restart_count: int = 0
     """How many times torchrun has restarted this worker group."""
+    use_agent_store: bool = False
+    """Whether torchrun's agent hosts the TCPStore at master_addr:master_port (every rank
+    connects as a client) rather than rank 0 (TORCHELASTIC_USE_AGENT_STORE)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -72,4 +75,5 @@ class DistEnv:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=integer("MASTER_PORT", 29500),
             restart_count=integer("TORCHELASTIC_RESTART_COUNT", 0),
+            use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )

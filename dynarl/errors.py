@@ -16,6 +16,7 @@ raises :class:`ValueError` (or :class:`TypeError`) instead, at the call that rec
      │    ├── LeaseExpiredError    a migration's lease lapsed before commit
      │    └── MigrationAborted     a migration was aborted on purpose (operator, safe mode)
      ├── WorkerError               a worker or worker group failed outside a migration
+ ├── IntegrityError            durable state on disk (journal, checkpoint) failed verification
      └── BackendError              an engine or trainer backend (SGLang, Megatron) misbehaved
 """
 
@@ -26,6 +27,7 @@ __all__ = [
     "BusError",
     "DeadlineExceeded",
     "DynarlError",
+    "IntegrityError",
     "LeaseExpiredError",
     "MigrationAborted",
     "MigrationError",
@@ -92,6 +94,12 @@ class MigrationAborted(MigrationError):
 
 class WorkerError(DynarlError):
     """A worker or worker group failed outside a migration."""
+
+
+class IntegrityError(DynarlError):
+    """Durable state on disk failed verification: a checkpoint's checksums, or a journal
+    damaged before its last record (a torn last record is expected after a crash and is
+    not an error)."""
 
 
 class BackendError(DynarlError):

@@ -33,6 +33,7 @@ __all__ = [
     "ControlMessage",
     "DataItem",
     "DataMessage",
+    "Envelope",
     "ErrorReply",
     "EventMessage",
     "GenerationRequest",
@@ -210,6 +211,19 @@ class ErrorReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """What was wrong, for humans."""
 
 
+class Envelope(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """A message of a protocol layered on the bus (the runtime's worker protocol).
+
+    The bus carries it as it is; the layer named by ``protocol`` decodes ``body`` with its
+    own typed decoder. A request's reply is another ``Envelope`` (or ``Ack``/``ErrorReply``).
+    """
+
+    protocol: str
+    """Name and version of the inner protocol (for instance ``"dynarl.runtime/1"``)."""
+    body: bytes
+    """The inner message: one tagged MessagePack map of that protocol."""
+
+
 # ----------------------------------------------------------------------------- data
 
 
@@ -328,6 +342,7 @@ ControlMessage = (
     | MigrationAbort
     | Ack
     | ErrorReply
+    | Envelope
 )
 """Messages of the control channel."""
 DataMessage = Sample | GenerationRequest | ChannelPut | ChannelGet | ChannelItem

@@ -251,12 +251,16 @@ def state_tensors(
     return out
 
 
-def sharded_state_dict_mismatches(model: Any, layout: Layout, rank: int) -> list[str]:
+def sharded_state_dict_mismatches(
+    model: Any, layout: Layout, rank: int, *, metadata: dict[str, Any] | None = None
+) -> list[str]:
     """Where the layout's parameter shards on ``rank`` disagree with ``model``'s own
     ``sharded_state_dict()`` (global shape, offset, local shape per ShardedTensor).
 
     Returns human-readable differences; empty when they agree. The model's TP parameters
     must be split with stride 1 (Megatron's state dict cannot express strided splits).
+    ``metadata`` is passed to ``sharded_state_dict`` (``{"dp_cp_group": ...}`` checks a
+    model whose groups are not installed in Megatron's globals).
     """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -264,7 +268,7 @@ def sharded_state_dict_mismatches(model: Any, layout: Layout, rank: int) -> list
     mine = {p.shard.tensor: p.shard.region for p in layout.placements_on(rank)}
     names = {local: name for local, name, _ in param_names(model)}
     problems = []
-    for local, item in model.sharded_state_dict().items():
+    for local, item in model.sharded_state_dict(metadata=metadata).items():
         if not isinstance(item, ShardedTensor) or local not in names:
             continue
         name, lead = names[local], item.prepend_axis_num

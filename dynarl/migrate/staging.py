@@ -1,7 +1,6 @@
-"""Messages, views, clocks and reports of plan execution (the executor's building blocks).
+"""Views, checksums, clocks and reports of plan execution (the executor's building blocks).
 
-:class:`Piece` and :class:`Message` describe what travels between two ranks; the view
-helpers find the slice of a rank's shard that a plan item reads or writes; :func:`checksum`
+The view helpers find the slice of a rank's shard that a plan item reads or writes; :func:`checksum`
 is the per-piece checksum both ends compute; :func:`post` and :func:`wait` wrap
 ``batch_isend_irecv`` with explicit timeouts and turn transport failures into
 ``MigrationError``. Used by :mod:`.executor`; runs on the rank executing a plan.
@@ -20,13 +19,10 @@ import torch
 import torch.distributed as dist
 
 from dynarl.errors import MigrationError
-from dynarl.migrate.plan import ReshardPlan, Transfer
-from dynarl.migrate.region import Region, Shard, flat_range_boxes
+from dynarl.migrate.plan import Transfer
+from dynarl.migrate.region import Region, Shard
 
 __all__ = [
-    "ALIGN",
-    "Message",
-    "Piece",
     "Stopwatch",
     "Timer",
     "TransferReport",
@@ -37,17 +33,11 @@ __all__ = [
     "index_device",
     "int64_tensor",
     "locate",
-    "pair_items",
-    "piece_boxes",
     "post",
     "region_view",
-    "schedule",
     "view_index",
     "wait",
 ]
-
-ALIGN = 8
-"""Byte alignment of every piece inside a packed message (any dtype views it in place)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,21 +51,22 @@ class TransferReport:
     bytes_local: int
     """Bytes it copied locally."""
     num_rounds: int
-    """Network rounds (same on every rank)."""
+    """Network rounds this rank took part in (its busiest pair's)."""
     num_messages: int
     """Messages this rank posted (sends and receives, checksums excluded)."""
     copy_s: float
     """Seconds packing, unpacking and copying locally."""
     wire_s: float
-    """Seconds from posting a round's sends and receives until all completed, summed (the
-    local copies overlapping the first round included)."""
+    """Seconds from posting each round's sends and receives (packed) until all completed,
+    summed (the local copies that overlap the first round on CUDA included)."""
     checksum_s: float
     """Seconds checksumming and comparing not hidden behind the network."""
     first_post_s: float = 0.0
-    """Seconds from the start of the transfer until this rank posted its first message."""
-    posted_at: tuple[float, ...] = ()
-    """Per round, ``time.monotonic()`` when this rank had posted everything (system-wide
-    clock: comparable across the ranks of one machine)."""
+    """Seconds from the start of the transfer until this rank posted its first round."""
+    ready_at: tuple[float, ...] = ()
+    """Per round, ``time.monotonic()`` when this rank had packed everything and began to
+    post (system-wide clock: comparable across the ranks of one machine). Taken before
+    posting because gloo writes a send in the posting call when its receive is posted."""
     done_at: tuple[float, ...] = ()
     """Per round, ``time.monotonic()`` when this rank's transfers had all completed."""
     mismatched: tuple[Shard, ...] = field(default=())
@@ -85,28 +76,6 @@ class TransferReport:
     def verified(self) -> bool:
         """Whether every destination shard on this rank matched its sources."""
         return not self.mismatched
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """Elements ``[start, stop)`` (row-major) of ``item``, at ``offset`` of its message."""
-
-    item: Transfer
-    start: int
-    stop: int
-    offset: int
-    nbytes: int
-
-
-@dataclass(slots=True)
-class Message:
-    """One isend or irecv: packed small pieces, or one piece of a large item."""
-
-    peer: int
-    pieces: list[Piece]
-    direct: bool
-    nbytes: int = 0
-    buffer: torch.Tensor | None = None
 
 
 def checksum(data: torch.Tensor) -> int:
@@ -141,7 +110,7 @@ class Timer:
         self.copy, self.wire, self.checksum = Stopwatch(), Stopwatch(), Stopwatch()
         self.start = time.perf_counter()
         self.first_post: float | None = None
-        self.posted: list[float] = []
+        self.ready: list[float] = []
         self.done: list[float] = []
 
 
@@ -177,29 +146,6 @@ def locate(index: ViewIndex, tensor: str, region: Region) -> tuple[Region, torch
 def region_view(index: ViewIndex, item: Transfer, region: Region) -> torch.Tensor:
     outer, view, _ = locate(index, item.tensor, region)
     return view[region.relative_to(outer).slices() or ...]
-
-
-def pair_items(plan: ReshardPlan, rank: int, *, outgoing: bool) -> dict[int, list[Transfer]]:
-    out: dict[int, list[Transfer]] = defaultdict(list)
-    for item in plan.items:
-        if item.is_local:
-            continue
-        if outgoing and item.src_rank == rank:
-            out[item.dst_rank].append(item)
-        elif not outgoing and item.dst_rank == rank:
-            out[item.src_rank].append(item)
-    return dict(out)
-
-
-def piece_boxes(piece: Piece) -> list[Region]:
-    region = piece.item.region
-    return [
-        Region(
-            offsets=tuple(a + b for a, b in zip(region.offsets, box.offsets, strict=True)),
-            sizes=box.sizes,
-        )
-        for box in flat_range_boxes(region.sizes, piece.start, piece.stop)
-    ]
 
 
 def as_bytes(view: torch.Tensor) -> torch.Tensor:
@@ -238,52 +184,3 @@ def index_device(index: ViewIndex) -> torch.device:
     return next(
         (view.device for entries in index.values() for _, view, _ in entries), torch.device("cpu")
     )
-
-
-def schedule(
-    peer: int,
-    items: list[Transfer],
-    itemsize: Mapping[str, int],
-    chunk_bytes: int,
-    direct_bytes: int,
-) -> list[list[Message]]:
-    """Rounds of messages to or from ``peer``: each round at most ``chunk_bytes``.
-
-    Items of at least ``direct_bytes`` are messages of their own (cut at ``chunk_bytes``);
-    smaller ones are packed, each piece aligned to 8 bytes. Pure: both ends of a pair
-    compute the same rounds from the plan.
-    """
-    chunk, messages = chunk_bytes, []
-    packed = Message(peer, [], direct=False)
-    for item in items:
-        size = itemsize[item.tensor]
-        numel = item.region.numel
-        if numel * size >= direct_bytes:
-            step = max(1, chunk // size)
-            for start in range(0, numel, step):
-                stop = min(numel, start + step)
-                piece = Piece(item, start, stop, 0, (stop - start) * size)
-                messages.append(Message(peer, [piece], direct=True, nbytes=piece.nbytes))
-            continue
-        done = 0
-        while done < numel:
-            offset = -(-packed.nbytes // ALIGN) * ALIGN
-            take = min(numel - done, (chunk - offset) // size) if offset < chunk else 0
-            if take <= 0:
-                messages.append(packed)
-                packed = Message(peer, [], direct=False)
-                continue
-            packed.pieces.append(Piece(item, done, done + take, offset, take * size))
-            packed.nbytes = offset + take * size
-            done += take
-    if packed.pieces:
-        messages.append(packed)
-    rounds: list[list[Message]] = []
-    used = chunk
-    for message in messages:
-        if used + message.nbytes > chunk:
-            rounds.append([])
-            used = 0
-        rounds[-1].append(message)
-        used += message.nbytes
-    return rounds

@@ -27,7 +27,7 @@ from dynarl.migrate import (
     plan_reshard,
     trainer_layout,
 )
-from dynarl.migrate.executor import ExecutorConfig, checksum, execute_plan
+from dynarl.migrate.executor import ExecutorConfig, PlanExecutor, checksum, execute_plan
 from dynarl.migrate.groups import CommGroup, build_group
 
 pytestmark = pytest.mark.dist
@@ -159,29 +159,69 @@ def test_checksums_catch_a_corrupted_destination(spawn_ranks: Any) -> None:
     assert results[1] == (False, ["[0:2, 0:4]"])
 
 
-def timeout_worker(rank: int, world: int, port: int) -> str:
-    """Rank 1 joins the group but never sends: rank 0's wait times out."""
+def padded_worker(rank: int, world: int, port: int) -> tuple[bool, bool]:
+    """Views that the plan's geometry calls contiguous but that are not (rows of a padded
+    tensor) are staged; contiguous ones go in place, even when cut mid-row."""
+    store = _store(rank, world, port)
+    t = TensorSpec(name="t", shape=(8, 16), dtype="float32")
+    halves = [Region(offsets=(4 * i, 0), sizes=(4, 16)) for i in range(2)]
+    src = [Shard(tensor="t", rank=0, region=t.full())]
+    dst = [Shard(tensor="t", rank=1, region=h) for h in halves]
+    plan = plan_reshard({"t": t}, src, dst)
+    full = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    padded = torch.full((8, 19), -1.0)
+    padded[:, :16] = full
+    sources = {src[0]: padded[:, :16]} if rank == 0 else {}
+    out_padded = torch.full((4, 19), -1.0)
+    out_plain = torch.zeros(4, 16)
+    destinations = {dst[0]: out_padded[:, :16], dst[1]: out_plain} if rank == 1 else {}
+    group = build_group(store, name="test/padded", ranks=(0, 1), rank=rank)
+    config = ExecutorConfig(chunk_bytes=40, direct_bytes=1, timeout_s=30)
+    report = execute_plan(
+        plan, rank=rank, group=group, sources=sources, destinations=destinations, config=config
+    )
+    group.close()
+    if rank == 0:
+        return report.verified, bool((padded[:, 16:] == -1).all())
+    exact = same_bits(out_padded[:, :16], full[:4]) and same_bits(out_plain, full[4:])
+    return report.verified and exact, bool((out_padded[:, 16:] == -1).all())
+
+
+def test_strided_views_are_staged_and_contiguous_ones_cut_mid_row(spawn_ranks: Any) -> None:
+    assert spawn_ranks(padded_worker, 2) == [(True, True), (True, True)]
+
+
+def timeout_worker(rank: int, world: int, port: int) -> list[str]:
+    """Rank 1 joins the group but never sends: rank 0's warm-up in prepare times out, and
+    without a warm-up (prepare then does not communicate) its wait in run times out."""
     store = _store(rank, world, port)
     t = TensorSpec(name="t", shape=(8,), dtype="float32")
     src = [Shard(tensor="t", rank=1, region=t.full())]
     dst = [Shard(tensor="t", rank=0, region=t.full())]
     plan = plan_reshard({"t": t}, src, dst)
     group: CommGroup = build_group(store, name="test/timeout", ranks=(0, 1), rank=rank)
-    outcome = "sent nothing"
+    outcomes = []
     if rank == 0:
-        try:
-            execute_plan(plan, rank=0, group=group, sources={}, destinations={dst[0]: torch.zeros(8)}, config=ExecutorConfig(timeout_s=1.0))
-            outcome = "completed"
-        except MigrationError as exc:
-            outcome = f"MigrationError: {exc}"
+        for warmup in (1 << 20, 0):
+            config = ExecutorConfig(timeout_s=1.0, warmup_bytes=warmup)
+            executor = PlanExecutor(plan, rank=0, group=group, config=config)
+            try:
+                executor.prepare({dst[0]: torch.zeros(8)})
+                outcomes.append("prepared")
+                executor.run({})
+                outcomes.append("completed")
+            except MigrationError as exc:
+                outcomes.append(f"MigrationError: {exc}")
     store.set(f"done/{rank}", "1")
     store.wait([f"done/{1 - rank}"], timedelta(seconds=30))
-    return outcome
+    return outcomes
 
 
 def test_a_silent_peer_times_out(spawn_ranks: Any) -> None:
-    results = spawn_ranks(timeout_worker, 2)
-    assert results[0].startswith("MigrationError"), results[0]
+    warm, prepared, cold = spawn_ranks(timeout_worker, 2)[0]
+    assert warm.startswith("MigrationError: reshard warm-up"), warm
+    assert prepared == "prepared"
+    assert cold.startswith("MigrationError: reshard round 0"), cold
 
 
 def test_checksum_is_position_sensitive() -> None:

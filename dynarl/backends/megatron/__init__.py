@@ -1,0 +1,57 @@
+"""The Megatron-core trainer (extra ``megatron``): GPTModel under Megatron DDP on explicit
+process groups, resharded by :class:`dynarl.migrate.P2PMigration`, synced to SGLang engines
+and loaded from / exported to Hugging Face checkpoint directories.
+
+- :class:`MegatronTrainer` — one rank of the trainer (:mod:`.trainer`); the model's
+  architecture in :class:`GPTModelConfig`, training settings in :class:`MegatronTrainConfig`;
+- :func:`sync_weights` — gather to one rank, Megatron → HF names and layouts, bucketed
+  broadcast to SGLang engines, ``/weights_checker`` verification (:mod:`.sync`);
+- :func:`load_hf_checkpoint` / :func:`export_hf_checkpoint` — local HF directories
+  (safetensors or torch ``.bin``, sharded or not) with the same name map (:mod:`.checkpoint`).
+
+Importing this package does not import Megatron; building a trainer does (after the CPU
+shim, which applies only without CUDA). On CPU Megatron's optimizer cannot run, so the
+trainer steps with ``torch.optim.AdamW`` on DDP's ``main_grad`` (see :mod:`.optimizer`).
+"""
+
+from __future__ import annotations
+
+from dynarl.backends.megatron.checkpoint import (
+    export_hf_checkpoint,
+    hf_config,
+    load_hf_checkpoint,
+    model_config_from_hf,
+    read_hf_tensors,
+    write_hf_tensors,
+)
+from dynarl.backends.megatron.config import DTYPES, GPTModelConfig, MegatronTrainConfig
+from dynarl.backends.megatron.model import describe
+from dynarl.backends.megatron.sync import (
+    SyncReport,
+    check_hf_compatible,
+    from_hf,
+    hf_names,
+    sync_weights,
+    to_hf,
+)
+from dynarl.backends.megatron.trainer import MegatronTrainer
+
+__all__ = [
+    "DTYPES",
+    "GPTModelConfig",
+    "MegatronTrainConfig",
+    "MegatronTrainer",
+    "SyncReport",
+    "check_hf_compatible",
+    "describe",
+    "export_hf_checkpoint",
+    "from_hf",
+    "hf_config",
+    "hf_names",
+    "load_hf_checkpoint",
+    "model_config_from_hf",
+    "read_hf_tensors",
+    "sync_weights",
+    "to_hf",
+    "write_hf_tensors",
+]

@@ -1,0 +1,109 @@
+"""Fault injection at named migration phases: the seam the fault-injection tests use.
+
+A phase is named ``"<kind>.<step>"`` (``"workload.drain"``, ``"p2p.transfer"``,
+``"reboot.restart"``, ``"p2p.commit"``; ``"<kind>.grow"`` for a serving component taking
+a device). Before the coordinator runs that step it asks the :class:`FaultInjector`,
+which applies the first armed :class:`Fault` for the phase:
+
+- ``fail``: the step fails (:class:`InjectedFault`) and the move rolls back;
+- ``stall``: the step waits until the migration's lease has lapsed, so it is refused;
+- ``kill``: the worker of ``device`` is sent SIGKILL, then the step runs.
+
+Runs on the controller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from dynarl.errors import MigrationError
+
+__all__ = ["Fault", "FaultAction", "FaultInjector", "InjectedFault"]
+
+logger = logging.getLogger(__name__)
+
+
+class FaultAction(enum.StrEnum):
+    """What an injected fault does."""
+
+    FAIL = "fail"
+    STALL = "stall"
+    KILL = "kill"
+
+
+class InjectedFault(MigrationError):
+    """A step failed because a test asked it to."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fault:
+    """One fault to inject."""
+
+    phase: str
+    """``"<kind>.<step>"``, e.g. ``"p2p.transfer"``."""
+    action: FaultAction = FaultAction.FAIL
+    """What happens."""
+    device: int | None = None
+    """The worker to kill (``kill`` only)."""
+    times: int = 1
+    """How many times it fires."""
+
+    def __post_init__(self) -> None:
+        kind, dot, step = self.phase.partition(".")
+        if not dot or not kind or not step:
+            raise ValueError(f"Fault.phase must be '<kind>.<step>', got {self.phase!r}")
+        if self.action is FaultAction.KILL and self.device is None:
+            raise ValueError("a kill fault needs a device")
+        if self.times < 1:
+            raise ValueError(f"Fault.times must be >= 1, got {self.times}")
+
+
+@dataclass(slots=True)
+class _Armed:
+    fault: Fault
+    left: int
+
+
+class FaultInjector:
+    """Armed faults, applied by phase (see the module docstring)."""
+
+    def __init__(
+        self, faults: Iterable[Fault] = (), *, kill: Callable[[int], None] | None = None
+    ) -> None:
+        self._armed: list[_Armed] = []
+        self._kill = kill
+        self.fired: list[Fault] = []
+        """Faults applied so far, in order."""
+        for fault in faults:
+            self.arm(fault)
+
+    def arm(self, fault: Fault) -> None:
+        """Add ``fault``; it fires at the next ``fault.times`` steps of its phase."""
+        self._armed.append(_Armed(fault=fault, left=fault.times))
+
+    async def at(self, phase: str, *, deadline: float) -> None:
+        """Apply the fault armed for ``phase`` if any; ``deadline`` is the lease's
+        (``time.monotonic()``). Raises InjectedFault for a ``fail`` fault."""
+        for entry in self._armed:
+            fault = entry.fault
+            if fault.phase != phase or entry.left <= 0:
+                continue
+            entry.left -= 1
+            self.fired.append(fault)
+            logger.warning("injecting %s at %s", fault.action, phase)
+            match fault.action:
+                case FaultAction.FAIL:
+                    raise InjectedFault(f"injected failure at {phase}")
+                case FaultAction.STALL:
+                    await asyncio.sleep(max(0.0, deadline - time.monotonic()) + 0.05)
+                case FaultAction.KILL:
+                    if self._kill is None:
+                        raise InjectedFault(f"cannot kill at {phase}: no launcher")
+                    assert fault.device is not None
+                    self._kill(fault.device)
+            return

@@ -1,0 +1,170 @@
+"""The migration of one component inside a move: the common part, and the P2P driver.
+
+Every driver runs its forward steps up to (not including) ``commit`` in
+:meth:`Driver.pre_commit`, then either :meth:`Driver.commit` or :meth:`Driver.cancel`
+(abort, then roll back to the previous allocation). Each step first asks the
+:class:`~dynarl.runtime.faults.FaultInjector` (phase ``"<kind>.<step>"``). The drivers:
+
+- :class:`~dynarl.runtime.workload.WorkloadMove` (serving components);
+- :class:`P2PMove`: the migrate P2P steps on every rank (``prepare``, ``transfer``,
+  ``verify``, ``commit``), with the coordinator's own lease and log in a migrate
+  ``MigrationState`` (:class:`StepMachine`);
+- :class:`~dynarl.runtime.reboot.RebootMove`.
+
+Runs on the controller's event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dynarl.migrate.protocol import MigrationState, Outcome, Step, new_migration, run_step
+from dynarl.runtime.faults import FaultInjector
+from dynarl.runtime.manager import GroupManager
+from dynarl.types import MigrationKind
+
+__all__ = ["ComponentMove", "Driver", "P2PMove", "StepMachine", "nothing"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ComponentMove:
+    """One component's change of devices within a move."""
+
+    component: str
+    """The component."""
+    kind: MigrationKind
+    """How its state moves."""
+    src: tuple[int, ...]
+    """Devices before."""
+    dst: tuple[int, ...]
+    """Devices after."""
+    in_place: bool = False
+    """Reboot in place: roles sleep or wake where they are (nothing is checkpointed)."""
+
+    @property
+    def removed(self) -> tuple[int, ...]:
+        """Devices it gives up."""
+        return tuple(d for d in self.src if d not in self.dst)
+
+    @property
+    def added(self) -> tuple[int, ...]:
+        """Devices it takes."""
+        return tuple(d for d in self.dst if d not in self.src)
+
+
+class Driver:
+    """Base of the per-component migration drivers (see the module docstring)."""
+
+    def __init__(
+        self,
+        move: ComponentMove,
+        manager: GroupManager,
+        *,
+        migration_id: str,
+        lease_s: float,
+        faults: FaultInjector,
+        epochs: Callable[[], int],
+    ) -> None:
+        self.move, self.manager, self.migration_id = move, manager, migration_id
+        self.faults, self.epochs = faults, epochs
+        self.lease_s = lease_s
+        self.deadline = time.monotonic() + lease_s
+        self.pause_s = 0.0
+        self.bytes_moved = 0
+
+    @property
+    def state(self) -> MigrationState:
+        """The migration's state machine."""
+        raise NotImplementedError
+
+    async def fault(self, step: str) -> None:
+        """Apply the fault armed for this kind's ``step``, if any."""
+        await self.faults.at(f"{self.move.kind}.{step}", deadline=self.deadline)
+
+    async def pre_commit(self) -> Outcome | None:
+        """Run every forward step before commit; the failed outcome, or None."""
+        raise NotImplementedError
+
+    async def commit(self) -> Outcome:
+        """Commit (the devices change hands)."""
+        raise NotImplementedError
+
+    async def cancel(self, reason: str) -> Outcome:
+        """Abort and roll back; the rollback outcome."""
+        raise NotImplementedError
+
+
+class StepMachine:
+    """Steps of one kind on the migrate protocol's state machine (lease, log, replay)."""
+
+    def __init__(self, migration_id: str, kind: MigrationKind, lease_s: float) -> None:
+        self.state = new_migration(migration_id, kind, now=time.monotonic(), lease_s=lease_s)
+
+    async def step(self, step: Step, action: Callable[[], Awaitable[str]]) -> Outcome:
+        """Run ``action`` for ``step`` if the machine allows it; the recorded outcome."""
+        self.state, outcome = await run_step(self.state, step, now=time.monotonic(), action=action)
+        return outcome
+
+
+async def nothing() -> str:
+    """A step with no side effect."""
+    return ""
+
+
+class P2PMove(Driver):
+    """A P2P reshard of the component over every rank of its old and new layouts."""
+
+    def __init__(self, move: ComponentMove, manager: GroupManager, **kwargs: Any) -> None:
+        super().__init__(move, manager, **kwargs)
+        self.epoch = self.epochs()
+        self._machine = StepMachine(self.migration_id, MigrationKind.P2P, self.lease_s)
+        self._began = 0.0
+
+    @property
+    def state(self) -> MigrationState:
+        return self._machine.state
+
+    def _action(self, step: str) -> Callable[[], Awaitable[str]]:
+        async def act() -> str:
+            await self.fault(step)
+            results = await self.manager.reshard(
+                step,
+                migration_id=self.migration_id,
+                src=self.move.src,
+                dst=self.move.dst,
+                epoch=self.epoch,
+                lease_s=max(self.deadline - time.monotonic(), 0.001),
+            )
+            self.bytes_moved += sum(r.bytes_moved for r in results)
+            return "; ".join(f"rank {r.device}: {r.detail}" for r in results if not r.ok)
+
+        return act
+
+    async def pre_commit(self) -> Outcome | None:
+        self._began = time.monotonic()
+        for step in (Step.PREPARE, Step.TRANSFER, Step.VERIFY):
+            outcome = await self._machine.step(step, self._action(str(step)))
+            if not outcome.ok:
+                return outcome
+        return None
+
+    async def commit(self) -> Outcome:
+        outcome = await self._machine.step(Step.COMMIT, self._action("commit"))
+        self.pause_s = time.monotonic() - self._began
+        if outcome.ok:
+            self.manager.set_devices(self.move.dst)
+            await self._action("close")()
+        return outcome
+
+    async def cancel(self, reason: str) -> Outcome:
+        await self._machine.step(Step.ABORT, self._action("abort"))
+        outcome = await self._machine.step(Step.ROLLBACK, self._action("rollback"))
+        await self._action("close")()
+        self.pause_s = time.monotonic() - self._began
+        return outcome
