@@ -2,18 +2,12 @@
 
 The default models a component's throughput (items per second) on ``n`` devices as
 
-    f(n, R) = a · n_eff ** b,   n_eff = (R / q) · n / (n + s),   s = max(R / q, k · U)
+    f(n, R) = a · n_eff ** b,   n_eff = n · s / (n + s),   s = R / q
 
-where R is the iteration's remaining items, q the items one device keeps busy at the
-profiled context (the profile's ``items_per_device``), U the sum of the workers' current
-utilization and k the profile's ``devices_per_utilization``. With plenty of work
-n_eff ≈ n and f is a power law, concave for b ≤ 1; as R shrinks n_eff saturates at s and
-f flattens in n (the rollout tail). The load term keeps the saturation point honest when
-the work left is heavier per item than profiled: a rollout tail's few requests carry long
-contexts, and a decode step reads every running request's KV, so merging them onto fewer
-engines slows each of them (rollout: U is the engines' active KV over capacity, and k the
-devices whose fixed step cost equals the KV reads of one full engine's worth). Without a
-``q`` (the trainer) n_eff = n and f is near-linear when fed. The slope b
+where R is the iteration's remaining items and q the items one device keeps busy (the
+profile's ``items_per_device``). With plenty of work n_eff ≈ n and f is a power law,
+concave for b ≤ 1; as R shrinks n_eff saturates at s and f flattens in n (the rollout
+tail). Without a ``q`` (the trainer) n_eff = n and f is near-linear when fed. The slope b
 comes from a Theil–Sen fit (median of pairwise slopes, pairs taken within the offline
 profile and within the online window, never across them, so a level drift does not bend
 it); the level a from the median log-ratio of the recent online measurements
@@ -95,46 +89,25 @@ class ComponentProfile:
     """Offline profile measurements (batch size / sequence length representative points)."""
     items_per_device: float = 0.0
     """Items one device keeps busy (rollout: concurrent requests per device); 0: no tail."""
-    devices_per_utilization: float = 0.0
-    """k: devices one unit of summed worker utilization keeps busy (rollout: tp over the KV
-    share at which a decode step's KV reads cost as much as its fixed part); 0: the tail
-    model uses the item count alone."""
     exponent: float = 1.0
     """Exponent b assumed until measurements give one."""
 
     def __post_init__(self) -> None:
-        if self.items_per_device < 0 or self.exponent <= 0 or self.devices_per_utilization < 0:
-            raise ValueError(
-                "ComponentProfile: items_per_device >= 0, devices_per_utilization >= 0 "
-                "and exponent > 0 required"
-            )
+        if self.items_per_device < 0 or self.exponent <= 0:
+            raise ValueError("ComponentProfile: items_per_device >= 0 and exponent > 0 required")
         for p in self.points:
             if p.num_devices < 1 or p.throughput <= 0:
                 raise ValueError(f"ComponentProfile: bad point {p}")
 
 
-def effective_devices(
-    num_devices: FloatArray, remaining: float | None, q: float, load: float = 0.0
-) -> FloatArray:
-    """n_eff = r·n/(n+s), r = remaining/q, s = max(r, load); n when there is no tail model.
-
-    ``load`` is the saturation scale the current state implies (k · summed utilization):
-    it bends the curve in n without changing its level at the current size much.
-    """
+def effective_devices(num_devices: FloatArray, remaining: float | None, q: float) -> FloatArray:
+    """n_eff = n·s/(n+s) with s = remaining/q; n itself when there is no tail model."""
     if q <= 0 or remaining is None:
         return num_devices
-    r = max(remaining, 0.0) / q
-    if r <= 0:
+    s = max(remaining, 0.0) / q
+    if s <= 0:
         return np.zeros_like(num_devices)
-    s = max(r, load)
-    return r * num_devices / (num_devices + s)
-
-
-def _load(profile: ComponentProfile, state: ComponentReport) -> float:
-    """k · U: the saturation scale from the workers' current utilization."""
-    if profile.devices_per_utilization <= 0:
-        return 0.0
-    return profile.devices_per_utilization * float(sum(state.utilization))
+    return num_devices * s / (num_devices + s)
 
 
 def fit_power_law(
@@ -223,7 +196,7 @@ class RegressionPredictor:
         if model is None or not model.fitted:
             return np.zeros_like(n)
         q = model.profile.items_per_device
-        n_eff = effective_devices(n, float(state.remaining), q, _load(model.profile, state))
+        n_eff = effective_devices(n, float(state.remaining), q)
         with np.errstate(divide="ignore"):
             out = np.exp(model.log_level) * np.power(n_eff, model.exponent)
         return np.where(n > 0, out, 0.0)
@@ -253,10 +226,7 @@ class RegressionPredictor:
             predicted = float(self.predict(component, np.array([num_devices]), state)[0])
             model.errors.append(abs(predicted - state.throughput) / state.throughput)
         n_eff = effective_devices(
-            np.array([float(num_devices)]),
-            float(state.remaining),
-            model.profile.items_per_device,
-            _load(model.profile, state),
+            np.array([float(num_devices)]), float(state.remaining), model.profile.items_per_device
         )
         model.online.append((float(n_eff[0]), state.throughput, float(num_devices)))
         model.dirty = True

@@ -197,11 +197,7 @@ def predictor_profiles(workload: Workload) -> dict[str, ComponentProfile]:
     KV per request), ``R`` requests on ``n`` GPUs complete at
     ``(1 / (c·tp·L)) · n·s / (n + s)`` items/s with ``s = R·c·tp / t0`` — exactly the
     predictor's tail model with ``items_per_device = t0 / (c·tp)`` (L: mean output
-    tokens). The step's KV term makes an engine at KV utilization ``u`` step
-    ``1 + u·C·c_kv / t0`` times slower (C: KV capacity, c_kv: step time per KV token), so
-    engines holding summed utilization U saturate at ``s = tp·C·c_kv / t0 · U`` devices
-    whatever the count left: ``devices_per_utilization``. Inference and trainer:
-    throughput over the mean sample length.
+    tokens). Inference and trainer: throughput over the mean sample length.
     """
     w = workload
     trace = build_trace(w, 0)
@@ -219,9 +215,6 @@ def predictor_profiles(workload: Workload) -> dict[str, ComponentProfile]:
                 for n in _profile_sizes(total, spec.tp)
             ),
             items_per_device=spec.step_fixed_s / (per_request * spec.tp),
-            devices_per_utilization=(
-                spec.tp * spec.kv_capacity_tokens * spec.step_per_kv_token_s / spec.step_fixed_s
-            ),
         )
     }
     for name, stage in (("inference", w.inference), ("trainer", w.trainer)):

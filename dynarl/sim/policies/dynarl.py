@@ -49,11 +49,7 @@ __all__ = ["DynarlPolicy"]
 
 
 class DynarlPolicy:
-    """The real scheduler in the loop (see the module docstring).
-
-    ``partition`` overrides the iteration-start allocation (default: ``start_partition``);
-    the barrier returns to it.
-    """
+    """The real scheduler in the loop (see the module docstring)."""
 
     asynchronous = False
 
