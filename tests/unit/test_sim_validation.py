@@ -2,8 +2,10 @@
 
 The shipped workloads are derived from facts by ``examples/workloads/calibrate.py``; these
 tests compare what the simulator then predicts with the paper's results. Where the
-simulator disagrees, the test is an ``xfail(strict=True)`` whose reason says by how much
-and why — it fails loudly if the disagreement goes away, so the reason is kept true.
+simulator disagrees, the test either asserts what the model gives (with the reason in its
+docstring) or is an ``xfail(strict=True)`` whose reason says by how much and why — both
+fail loudly if the disagreement goes away, so the reason is kept true. The figures and
+the reasons are collected in docs/workloads.md, "Validation".
 Nothing here tunes anything: every run uses a shipped file as it is (sweeps change only
 the swept scheduler parameter).
 """
@@ -35,22 +37,23 @@ def speedup(workload: str, policy: str, baseline: str) -> float:
     return result(workload, policy).throughput / result(workload, baseline).throughput
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="calibration: dynarl is ~1.19x static-sequential on math-7b-64gpu (539 s vs 644 s "
-    "per iteration), not 1.4-1.7x, and no policy can reach 1.4x on this calibration. "
-    "Static-sequential is rollout on 64 GPUs (~407 s, 413 s on dynarl's 60) then log-prob and "
-    "training (~237 s). Overlapping them needs rollout's tail devices, but the tail's long "
-    "contexts are KV-bandwidth bound: engines given away abort requests that re-prefill and "
-    "then decode slower on fewer engines. examples/workloads/overlap_bound.py replays rollout "
-    "under ~200 shrink schedules (least-loaded engines released, migrations free, inference "
-    "and training packed perfectly into the rest): the best iteration is ~490 s, a 1.31x "
-    "ceiling. dynarl's remaining gap to it: rollout's tail stretches to ~478 s and ~60 s of "
-    "training follows the last sample.",
-)
-def test_math_7b_64gpu_dynarl_over_static_sequential_is_1_4_to_1_7() -> None:
+def test_math_7b_64gpu_dynarl_over_static_sequential_as_modelled() -> None:
+    """The paper reports 1.4-1.7x here; this calibration gives ~1.19x, and no policy 1.4x.
+
+    Static-sequential is rollout on 64 GPUs (~410 s) then log-prob and training (~237 s).
+    dynarl can only overlap these with rollout's tail: until ~92% of the samples are done
+    (~235 s) fewer than 80% of the engines are below U_low = 0.2 of their KV (Stage 1 finds
+    no donor), and the tail it then merges onto fewer engines decodes slower (its long
+    contexts make each step read more KV), so rollout ends ~63 s later (~473 s) and ~65 s
+    of training follows it. ``examples/workloads/overlap_bound.py`` finds no rollout shrink
+    schedule beating ~493 s per iteration (1.31x), even with free migrations and perfect
+    packing; ``examples/workloads/sensitivity.py`` shows no single modelling choice (KV
+    read cost, roofline GEMMs, KV capacity, downstream speed) taking dynarl past 1.23x.
+    Why the paper's figure is higher: docs/workloads.md, "Validation". If the model ever
+    reaches the paper's range this test fails, and the reason is revisited.
+    """
     ratio = speedup("math-7b-64gpu", "dynarl", "static-sequential")
-    assert 1.4 <= ratio <= 1.7
+    assert 1.1 <= ratio < 1.4
 
 
 def test_math_7b_64gpu_dynarl_beats_rlinf_rule_and_verl_hybrid() -> None:
