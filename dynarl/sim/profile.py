@@ -175,14 +175,16 @@ def start_partition(workload: Workload) -> dict[str, int]:
     """The iteration-start allocation of a synchronous dynamic policy.
 
     At the barrier only rollout has work: inference and the trainer wait for its first
-    groups. So they start at their minimum — the trainer at the fewest devices that hold
-    its state (at least one replica), inference at its own minimum (zero when it keeps no
-    state) — and rollout holds the rest, as the paper's timeline shows (inference and the
-    trainer grow as rollout's tail frees devices).
+    groups. So they start small — the trainer at the fewest devices that hold its state,
+    inference at its own minimum — and rollout holds the rest, as the paper's timeline
+    shows (inference and the trainer grow as rollout's tail frees devices). Each starts
+    with at least one replica: every stage has work in every iteration, and an allocation
+    in which one has none runs only if the scheduler moves devices to it, which it does
+    not in safe mode or ``observe_only`` (the iteration would never end).
     """
     w = workload
     trainer = max(w.trainer.min_gpus, w.trainer.tp)
-    inference = w.inference.min_gpus
+    inference = max(w.inference.min_gpus, w.inference.tp)
     rollout = w.cluster.num_gpus - trainer - inference
     rollout -= rollout % w.rollout.tp
     if rollout < w.rollout.tp:

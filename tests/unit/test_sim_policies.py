@@ -233,3 +233,22 @@ def test_moves_charge_the_modelled_pause() -> None:
     assert arrived == pytest.approx(first_time + max(pauses))
     assert max(pauses) in (spec.workload_s, spec.p2p_s)
     assert math.isfinite(arrived)
+
+
+@pytest.mark.parametrize("kind", ["math", "agentic"])
+def test_dynarl_completes_every_iteration_when_its_scheduler_never_moves(kind: str) -> None:
+    # Safe mode and observe_only freeze the allocation: the iteration-start allocation
+    # must run an iteration on its own, so every stage starts with at least one replica
+    # (inference's minimum is 0 in the shipped files; starting it there deadlocked).
+    base = replace(small(kind), num_iterations=2)
+    workload = replace(base, scheduler=replace(base.scheduler, observe_only=True))
+    start = start_partition(workload)
+    assert workload.inference.min_gpus == 0
+    assert start["inference"] >= workload.inference.tp
+    assert start["trainer"] >= workload.trainer.tp
+    policy = DynarlPolicy()
+    sim = Simulation(workload, request_policy=policy.request_policy)
+    result = sim.run(policy)
+    assert [it.index for it in result.iterations] == [0, 1]
+    assert all(it.samples == workload.batch.num_samples for it in result.iterations)
+    assert sim.timeline.counts[0][:3] == (start["rollout"], start["inference"], start["trainer"])
