@@ -2,10 +2,11 @@
 
 - ``sim_s_128``: wall seconds to simulate one iteration of ``math-1.5b-128gpu`` under
   ``dynarl`` (the real scheduler in the loop) with the per-request rollout model (median of
-  three runs; the offline profiling it starts from is done once, outside the timing).
+  three runs).
 - ``sim_s_100k``: the same workload scaled to 100,000 GPUs with a constant number of
-  requests per engine (the batch grows with the cluster; the static split is scaled in
-  proportion), one iteration under ``dynarl`` on the vectorised per-engine model.
+  requests per engine (the batch grows with the cluster), one iteration under ``dynarl``
+  on the vectorised per-engine model; dynarl starts from its iteration-start allocation
+  (:func:`~dynarl.sim.start_partition`) at either scale.
 - ``vector_vs_request_error``: the largest relative throughput difference between the
   vector and the per-request models over the 128-GPU math workloads (1.5B, 7B, 32B) and
   the policies static-sequential, static-split, rlinf-rule and dynarl.
@@ -30,7 +31,6 @@ from dynarl.sim import (
     DynarlPolicy,
     Simulation,
     VectorRollout,
-    best_partition,
     load_workload,
     run_policy,
 )
@@ -52,17 +52,10 @@ def scaled(workload: Workload, num_gpus: int) -> Workload:
     return replace(workload, cluster=cluster, batch=batch, name=f"{workload.name}-x{factor}")
 
 
-def scaled_partition(partition: dict[str, int], factor: int, workload: Workload) -> dict[str, int]:
-    units = {"rollout": workload.rollout.tp, "inference": workload.inference.tp}
-    out = {k: (v * factor // units[k]) * units[k] for k, v in partition.items() if k in units}
-    out["trainer"] = workload.cluster.num_gpus - sum(out.values())
-    return out
-
-
-def time_128(workload: Workload, partition: dict[str, int], repeats: int) -> float:
+def time_128(workload: Workload, repeats: int) -> float:
     times = []
     for _ in range(repeats):
-        policy = DynarlPolicy(partition=partition)
+        policy = DynarlPolicy()
         sim = Simulation(workload, request_policy=policy.request_policy)
         start = time.perf_counter()
         sim.run(policy)
@@ -70,10 +63,9 @@ def time_128(workload: Workload, partition: dict[str, int], repeats: int) -> flo
     return statistics.median(times)
 
 
-def time_100k(base: Workload, partition: dict[str, int], num_gpus: int) -> tuple[float, float]:
+def time_100k(base: Workload, num_gpus: int) -> tuple[float, float]:
     workload = one_iteration(scaled(base, num_gpus))
-    big = scaled_partition(partition, num_gpus // base.cluster.num_gpus, workload)
-    policy = DynarlPolicy(partition=big)
+    policy = DynarlPolicy()
     sim = Simulation(workload, request_policy=policy.request_policy, rollout_factory=VectorRollout)
     start = time.perf_counter()
     result = sim.run(policy)
@@ -101,10 +93,9 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     base = load_workload(ROOT / "math-1.5b-128gpu.toml")
-    partition = best_partition(base)
-    sim_128 = time_128(one_iteration(base), partition, repeats=3)
+    sim_128 = time_128(one_iteration(base), repeats=3)
     print(f"sim_s_128 = {sim_128:.3f} s (median of 3)", flush=True)
-    sim_big, iteration = time_100k(base, partition, args.gpus)
+    sim_big, iteration = time_100k(base, args.gpus)
     print(f"sim_s_100k = {sim_big:.1f} s ({args.gpus} GPUs, iteration {iteration:.1f} s)")
     error, rows = (float("nan"), []) if args.quick else agreement()
     for row in rows:

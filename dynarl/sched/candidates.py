@@ -5,13 +5,15 @@ second; f_c from the predictor, W_c the component's remaining items), and its re
 time is the reciprocal. A candidate aims at a *level* t of that rate: every receiver
 takes the smallest valid size whose predicted rate reaches t, the donor keeps the
 largest valid size that still reaches t and frees what the receivers need (free devices
-are used first), and whatever is left over stays free. Levels are the distinct rates the
-components reach at their valid sizes; when there are at most ``num_candidates`` of them
-above the current rate every one is evaluated (the search is then exhaustive: with a
-migration cost that does not decrease as more devices and components move, no other
-reallocation of the donor's devices does better), otherwise ``num_candidates`` levels
-spread up to the highest are. The best candidate commits only when it saves strictly
-more than ``min_gain_s`` after charging its predicted migration cost.
+are used first), and whatever is left over stays free. A donor whose predecessors still
+have items of the iteration left keeps at least one replica (its inputs keep coming).
+Levels are the distinct rates the components reach at their valid sizes; when there
+are at most ``num_candidates`` of them above the current rate every one is evaluated (the
+search is then exhaustive: with a migration cost that does not decrease as more devices
+and components move, no other reallocation of the donor's devices does better),
+otherwise ``num_candidates`` levels spread up to the highest are. The best candidate
+commits only when it saves strictly more than ``min_gain_s`` after charging its predicted
+migration cost.
 
 Work per round is O(components × size points + candidates × components), independent of
 the GPU count. Pure: everything comes in as arguments.
@@ -201,7 +203,7 @@ def _levels(
     """Feasible target levels above the current rate, and the sizes reaching each."""
     counts = ctx.counts
     if donor is not None:
-        d_sizes = ctx.ladder(donor, 0, counts[donor])
+        d_sizes = ctx.ladder(donor, _floor(ctx, donor), counts[donor])
         d_rates = ctx.rate(donor, d_sizes)
         release = counts[donor] - int(d_sizes.min())
     else:
@@ -220,6 +222,21 @@ def _levels(
     candidates = candidates[np.isfinite(candidates) & (candidates > current.pipeline_rate)]
     candidates = candidates[candidates <= ceiling]
     return _reach_all(ctx, candidates, donor, d_sizes, d_rates, ladders)
+
+
+def _floor(ctx: _Context, name: str) -> int:
+    """Fewest devices ``name`` may keep as a donor: one replica while work still comes.
+
+    A component whose predecessors have items of the iteration left will receive more
+    work; releasing its last replica would stall that work until another move (and
+    another Stage 1 window) brings devices back, so it keeps one replica until its
+    inputs are done. Otherwise it may go down to zero (when its minimum allows).
+    """
+    node = ctx.nodes[name]
+    if ctx.counts[name] <= 0:
+        return 0
+    upstream = any(p in ctx.stats and ctx.stats[p].remaining > 0 for p in node.predecessors)
+    return max(node.min_devices, node.unit) if upstream else 0
 
 
 def _reach_all(

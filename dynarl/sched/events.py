@@ -95,6 +95,11 @@ class MoveOutcome:
     allocation: Allocation
     reason: str = ""
     records: tuple[MigrationRecord, ...] = ()
+    external: bool = False
+    """A move the pipeline made on its own, not a command of this scheduler (for instance
+    the return to the iteration-start allocation at a synchronous barrier): its
+    allocation is taken as in force and its records are kept; a move in flight is not
+    ended by it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

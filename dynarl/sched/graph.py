@@ -246,6 +246,17 @@ class Hypergraph:
         workers = tuple(sorted([*others, node], key=lambda w: w.worker))
         self._nodes[component] = replace(current, workers=workers)
 
+    def set_workers(self, component: str, workers: Iterable[Node]) -> None:
+        """Replace every worker of ``component`` at once (after a move re-formed them).
+
+        Raises ValueError for an unknown component or a repeated worker index.
+        """
+        current = self.component(component)
+        ordered = tuple(sorted(workers, key=lambda w: w.worker))
+        if len({w.worker for w in ordered}) != len(ordered):
+            raise ValueError(f"{component}: repeated worker index")
+        self._nodes[component] = replace(current, workers=ordered)
+
     def unregister_worker(self, component: str, worker: int) -> None:
         """Drop one worker of ``component`` (after a move took its devices)."""
         current = self.component(component)

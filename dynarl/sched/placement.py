@@ -2,7 +2,12 @@
 
 Device ``d`` sits on node ``d // devices_per_node``. Shrinking components release whole
 tensor-parallel groups, from the nodes they hold fewest devices on first (ties: the
-highest node), so whole nodes come free and the rest stays packed. Growing components,
+highest node), so whole nodes come free and the rest stays packed. A shrinking component
+whose registered workers are its TP groups (``HyperNode.workers``, one node each) gives up
+its least-utilized workers instead: a workload migration re-does the in-flight work of
+the workers it releases elsewhere (rollout: utilization is active KV / capacity, exactly
+the KV the moved requests re-prefill), so the least loaded cost least; topology only
+breaks ties. Growing components,
 largest TP size first, take node-local groups of their TP size from the free and
 released devices, preferring nodes they already use, then the tightest fit, then the
 lowest node. Every choice is deterministic. Runs in O(devices of the moving components)
@@ -25,6 +30,7 @@ from dynarl.types import Allocation
 __all__ = ["place", "release_devices"]
 
 IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
 
 
 def place(
@@ -33,8 +39,13 @@ def place(
     sizes: Mapping[str, int],
     nodes: Mapping[str, HyperNode],
     devices_per_node: int,
+    *,
+    load: Mapping[str, Sequence[float]] | None = None,
 ) -> tuple[DeviceMove, ...]:
     """Device moves that take ``allocation`` (plus ``free`` devices) to ``sizes``.
+
+    ``load`` gives, per component, the utilization of each registered worker in worker
+    order (a report's ``utilization``); without it the workers' own ``utilization`` is used.
 
     Raises SchedulingError when a growing component cannot get its TP groups inside
     single nodes, or when a size change is not a whole number of TP groups; ValueError
@@ -55,8 +66,13 @@ def place(
             tp = nodes[name].tp
             block = math.lcm(tp, widest) if math.lcm(tp, widest) <= per_node else tp
             devs = allocation.devices(name)
-            held = np.fromiter(devs, dtype=np.int64, count=len(devs))
-            pools.append(_release(held, -change, tp, per_node, block))
+            loads = (load or {}).get(name)
+            groups = _worker_groups(nodes[name], devs, per_node, loads)
+            if groups is not None:
+                pools.append(_release_workers(groups, -change, tp, per_node, block))
+            else:
+                held = np.fromiter(devs, dtype=np.int64, count=len(devs))
+                pools.append(_release(held, -change, tp, per_node, block))
             sources.append(name)
     devices = np.concatenate(pools)
     codes = np.concatenate([np.full(p.shape[0], i) for i, p in enumerate(pools)])
@@ -140,6 +156,72 @@ def _release(held: IntArray, count: int, tp: int, per_node: int, block: int) -> 
         order = order[~chosen[order]]
         chosen[order[:rest]] = True
     released: IntArray = held[chosen]
+    return released
+
+
+def _worker_groups(
+    node: HyperNode, devices: Sequence[int], per_node: int, loads: Sequence[float] | None
+) -> tuple[IntArray, FloatArray] | None:
+    """The component's workers as (devices: workers × tp, load), or None when not usable.
+
+    Usable: the registered workers are exactly the component's TP groups (``tp`` devices
+    each, inside one node, no pipeline stages) and cover exactly the devices it holds.
+    The load is ``loads[i]`` for the ``i``-th worker when ``loads`` has one per worker,
+    else the worker's own utilization.
+    """
+    workers = node.workers
+    if not workers or node.pp != 1 or len(workers) * node.tp != len(devices):
+        return None
+    if any(len(w.devices) != node.tp for w in workers):
+        return None
+    devs = np.sort(np.array([w.devices for w in workers], dtype=np.int64), axis=1)
+    if not np.array_equal(np.sort(devs, axis=None), np.sort(np.asarray(devices, np.int64))):
+        return None
+    if bool(np.any(devs[:, 0] // per_node != devs[:, -1] // per_node)):
+        return None
+    if loads is None or len(loads) != len(workers):
+        loads = [w.utilization for w in workers]
+    return devs, np.asarray(loads, dtype=np.float64)
+
+
+def _release_workers(
+    groups: tuple[IntArray, FloatArray], count: int, tp: int, per_node: int, block: int
+) -> IntArray:
+    """``count`` devices of whole workers, the least utilized first.
+
+    First whole ``block`` s inside single nodes (a node's lightest workers together; the
+    cheapest blocks across nodes win, ties to the node holding fewest devices, then the
+    highest node), then single workers, least utilized first, for the rest. O(workers
+    log workers) with numpy.
+    """
+    devs, load = groups
+    node = devs[:, 0] // per_node
+    # Workers by node, lightest first inside each node (ties: the higher devices).
+    order = np.lexsort((-devs[:, 0], load, node))
+    node_o, load_o = node[order], load[order]
+    starts = np.r_[0, np.flatnonzero(np.diff(node_o)) + 1]
+    lengths = np.diff(np.r_[starts, node_o.shape[0]])
+    rank = np.arange(node_o.shape[0]) - np.repeat(starts, lengths)
+    held = np.repeat(lengths, lengths) * tp
+    per_block = max(block // tp, 1)
+    chunk = rank // per_block
+    full = (chunk + 1) * per_block <= np.repeat(lengths, lengths)
+    # One key per (node, chunk): its cost is the chunk's total load.
+    key = np.repeat(starts, lengths) + chunk
+    cost = np.bincount(key, weights=load_o, minlength=node_o.shape[0])
+    firsts = np.flatnonzero(full & (rank % per_block == 0))
+    ranked = firsts[np.lexsort((-node_o[firsts], held[firsts], chunk[firsts], cost[key[firsts]]))]
+    picked_keys = key[ranked[: count // block]]
+    chosen = np.isin(key, picked_keys) & full
+    rest = (count - int(chosen.sum()) * tp) // tp
+    if rest > 0:
+        left = np.flatnonzero(~chosen)
+        first_dev = devs[order, 0]
+        singles = left[np.lexsort((-first_dev[left], -node_o[left], held[left], load_o[left]))][
+            :rest
+        ]
+        chosen[singles] = True
+    released: IntArray = np.sort(devs[order][chosen].ravel())
     return released
 
 

@@ -11,7 +11,8 @@ nothing here reads a clock.
 
 Stage 2: :func:`decide` ranks the candidates (see :mod:`dynarl.sched.candidates`), takes the best
 one that saves strictly more than ``min_gain_s`` after its migration cost and whose TP
-groups can stay node-local, and turns it into concrete device moves. :func:`hold` is the
+groups can stay node-local, and turns it into concrete device moves (a shrinking component
+with registered workers gives up its least-utilized ones, by its latest report). :func:`hold` is the
 round's record when the scheduler does not get as far as Stage 2 (no donor, safe mode,
 minimum interval, a move in flight). Runs in the scheduler's loop or the simulator.
 """
@@ -73,7 +74,12 @@ def decide(
         else:
             try:
                 moves = place(
-                    allocation, free, dict(cand.sizes), nodes, config.num_devices_per_node
+                    allocation,
+                    free,
+                    dict(cand.sizes),
+                    nodes,
+                    config.num_devices_per_node,
+                    load={name: s.latest.utilization for name, s in stats.items()},
                 )
             except SchedulingError as err:
                 reason = f"infeasible placement: {err}"
@@ -173,6 +179,10 @@ class Safety:
     def started(self, decision_id: str) -> Safety:
         """A move was handed to the executor."""
         return replace(self, in_flight=decision_id)
+
+    def moved_externally(self, now: float) -> Safety:
+        """The pipeline moved devices on its own: the minimum interval counts from ``now``."""
+        return replace(self, last_move_end=max(self.last_move_end, now))
 
     def finished(self, ok: bool, now: float, config: SchedulerConfig) -> Safety:
         """The move in flight ended; failures may start safe mode."""

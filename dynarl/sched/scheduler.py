@@ -191,6 +191,14 @@ class Scheduler:
             self.ledger.append(record)
         # The runtime's word on what is in force is authoritative, whichever move it ends.
         self.allocation = outcome.allocation
+        if outcome.external:
+            self.safety = self.safety.moved_externally(self.clock.now())
+            logger.info(
+                "external move %s: allocation now %s",
+                outcome.decision_id,
+                outcome.allocation.counts(),
+            )
+            return
         if outcome.decision_id != self.safety.in_flight:
             logger.warning("outcome of %s, which is not the move in flight", outcome.decision_id)
             return

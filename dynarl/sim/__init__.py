@@ -35,6 +35,7 @@ from dynarl.sim.profile import (
     rlinf_dp_sizes,
     rollout_time,
     stage_times,
+    start_partition,
 )
 from dynarl.sim.report import (
     GpuAccounts,
@@ -129,6 +130,7 @@ __all__ = [
     "run_policy",
     "speedups",
     "stage_times",
+    "start_partition",
     "summarise",
     "sweep",
     "with_overrides",

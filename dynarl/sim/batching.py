@@ -278,8 +278,9 @@ class EngineArrays:
         gen = g - self.r_g0[ids]
         decoded = float(gen.sum())
         max_new = float((self.workload.batch.max_seq_len - self.r_prompt[ids]).sum())
-        # SGLang retracts the fewest generated tokens first, ties the longest input.
-        order = np.lexsort((-self.r_prompt[ids], gen))
+        # SGLang retracts the fewest generated tokens first, ties the longest input, then (as
+        # the per-request model) the newest request.
+        order = np.lexsort((-ids, -self.r_prompt[ids], gen))
         kept = ids.shape[0]
         for k in order.tolist():
             b = int(self.b[j])

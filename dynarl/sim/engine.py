@@ -230,8 +230,10 @@ class Engine:
 
     def _retract(self) -> None:
         spec = self.spec
+        # Popped from the end: the fewest generated tokens, then the longest input, then the
+        # newest request (the vector model breaks ties the same way).
         order = sorted(
-            self.running.values(), key=lambda r: (self.g - r.g0, -r.prompt), reverse=True
+            self.running.values(), key=lambda r: (self.g - r.g0, -r.prompt, -r.rid), reverse=True
         )
         decoded = sum(self.g - r.g0 for r in order)
         max_new = sum(r.max_new for r in order)

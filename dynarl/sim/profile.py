@@ -7,6 +7,8 @@
   exponential, logarithmic and quadratic curves and keeps the best R².
 - :func:`best_partition`: the static disaggregated partition with the least predicted
   iteration time (the slowest pipelined stage), over every feasible split.
+- :func:`start_partition`: where a dynamic policy's synchronous iteration starts: only
+  rollout has work at the barrier, so the others hold their minimum and rollout the rest.
 - :func:`predictor_profiles`: the profile points dynarl's predictor starts from
   (representative batch size and sequence length, the way the paper profiles).
 
@@ -36,6 +38,7 @@ __all__ = [
     "rlinf_dp_sizes",
     "rollout_time",
     "stage_times",
+    "start_partition",
 ]
 
 _ROLLOUT_CACHE: dict[tuple[object, ...], float] = {}
@@ -166,6 +169,27 @@ def best_partition(workload: Workload, *, rlinf_sizes: bool = True) -> dict[str,
     if best is None:
         raise ValueError(f"{w.name}: no feasible static partition")
     return best[1]
+
+
+def start_partition(workload: Workload) -> dict[str, int]:
+    """The iteration-start allocation of a synchronous dynamic policy.
+
+    At the barrier only rollout has work: inference and the trainer wait for its first
+    groups. So they start small — the trainer at the fewest devices that hold its state,
+    inference at its own minimum — and rollout holds the rest, as the paper's timeline
+    shows (inference and the trainer grow as rollout's tail frees devices). Each starts
+    with at least one replica: every stage has work in every iteration, and an allocation
+    in which one has none runs only if the scheduler moves devices to it, which it does
+    not in safe mode or ``observe_only`` (the iteration would never end).
+    """
+    w = workload
+    trainer = max(w.trainer.min_gpus, w.trainer.tp)
+    inference = max(w.inference.min_gpus, w.inference.tp)
+    rollout = w.cluster.num_gpus - trainer - inference
+    rollout -= rollout % w.rollout.tp
+    if rollout < w.rollout.tp:
+        raise ValueError(f"{w.name}: no devices left for rollout at the iteration start")
+    return {"rollout": rollout, "inference": inference, "trainer": trainer}
 
 
 def predictor_profiles(workload: Workload) -> dict[str, ComponentProfile]:

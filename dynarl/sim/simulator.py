@@ -4,7 +4,8 @@ A :class:`Simulation` owns the event loop, the components and the devices. In th
 synchronous mode (every policy but verl-hybrid) an iteration dispatches its batch to
 rollout; a finished GRPO group goes to log-prob inference, then to the trainer; the
 trainer's mini-batch boundaries and the iteration's end (followed by the weight sync,
-a barrier) are announced to the policy. Every ``report_interval_s`` each component
+a barrier, where dynamic policies :meth:`~Simulation.restore` their iteration-start
+allocation) are announced to the policy. Every ``report_interval_s`` each component
 reports as its group manager would, and the policy sees the reports. A policy changes
 the allocation only through :meth:`Simulation.execute`, which runs device moves with the
 modelled migration pause: donors lose their devices at once (rollout requests are
@@ -31,13 +32,7 @@ from dynarl.sim.components import (
     build_nodes,
 )
 from dynarl.sim.events import EventLoop
-from dynarl.sim.report import (
-    GpuAccounts,
-    IterationStats,
-    RunResult,
-    Timeline,
-    summarise,
-)
+from dynarl.sim.report import GpuAccounts, IterationStats, RunResult, Timeline, summarise
 from dynarl.sim.rollout import Rollout
 from dynarl.sim.stage import Chunk, Stage
 from dynarl.sim.trace import IterationTrace, build_trace
@@ -174,6 +169,18 @@ class Simulation:
         self.loop.at(now + seconds, lambda: self._arrive(moves, on_done))
         return seconds
 
+    def restore(self, sizes: Mapping[str, int], *, on_done: Callable[[], None]) -> float:
+        """The barrier rule: back to ``sizes`` (placed by ``dynarl.sched.place``) at the
+        modelled cost, overlapping the weight sync; ``on_done`` runs on arrival. Returns
+        the pause."""
+        per_node = self.workload.cluster.num_gpus_per_node
+        wanted = {name: sizes.get(name, 0) for name in COMPONENTS}
+        moves = place(self.allocation, sorted(self.free), wanted, self.nodes, per_node)
+        if not moves:
+            on_done()
+            return 0.0
+        return self.execute(moves, on_done=on_done)
+
     def _take(self, src: str | None, devices: Sequence[int]) -> None:
         if src is None:
             self.free -= set(devices)
@@ -232,7 +239,8 @@ class Simulation:
         """Items each component holds now, queued or in flight (what its report says).
 
         Rollout holds every unfinished sample of the batch from the start; inference and
-        the trainer hold only what has reached them (``ComponentReport.remaining``).
+        the trainer hold only what has reached them (``ComponentReport.remaining``; why
+        not the whole batch: docs/workloads.md, "Reports").
         """
         return {
             "rollout": self.rollout.unfinished,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from sim_support import small
@@ -88,6 +88,9 @@ TestMigrationMachine.settings = settings(stateful_step_count=25)
     gpus=st.sampled_from([2, 4, 8]),
 )
 @settings(max_examples=25)
+# Retraction among a group's siblings (equal progress and input): both models must break
+# the tie the same way (the newest request first), or one finishes ~3% later.
+@example(sigma=1.1875, capacity=30_000, running=34, gpus=2)
 def test_vector_model_agrees_with_per_request_model(
     sigma: float, capacity: int, running: int, gpus: int
 ) -> None:

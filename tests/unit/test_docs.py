@@ -138,7 +138,7 @@ def _runnable(block: Block) -> str:
     return "\n".join(kept) + "\n"
 
 
-def test_every_skip_is_used_and_no_block_is_skipped_whole() -> None:
+def test_every_skip_is_used() -> None:
     commands = [c for b in RUN if b.language != "python" for c in _commands(b.code)]
     used = {p for c in commands for p in SKIPPED if _matches(c, p)}
     assert used == set(SKIPPED), f"stale skips: {sorted(set(SKIPPED) - used)}"

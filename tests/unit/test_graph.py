@@ -103,3 +103,14 @@ def test_state_bytes_per_device_follow_the_layout() -> None:
     assert node.bytes_per_device(0) == 0.0
     with pytest.raises(ValueError, match="utilization"):
         Node(worker=0, utilization=1.5)
+
+
+def test_set_workers_replaces_them_all_at_once() -> None:
+    graph = Hypergraph.of([HyperNode(name="rollout", kind=ComponentKind.ROLLOUT, tp=2)])
+    graph.register_worker("rollout", Node(worker=0, devices=(0, 1)))
+    graph.set_workers("rollout", [Node(worker=1, devices=(4, 5)), Node(worker=0, devices=(2, 3))])
+    assert [w.devices for w in graph.component("rollout").workers] == [(2, 3), (4, 5)]
+    with pytest.raises(ValueError, match="repeated worker"):
+        graph.set_workers("rollout", [Node(worker=0), Node(worker=0)])
+    with pytest.raises(ValueError, match="unknown component"):
+        graph.set_workers("trainer", [])

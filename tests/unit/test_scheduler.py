@@ -279,3 +279,21 @@ def test_graph_registry_backed_scheduler_and_bad_reports_are_dropped() -> None:
             cost=StaticMigrationCost(seconds={}),
             clock=clock,
         )
+
+
+def test_an_external_move_sets_the_allocation_and_restarts_the_interval() -> None:
+    s, clock = make()
+    (command,) = advance(s, clock, 6)
+    # The pipeline moves devices on its own while the scheduler's move is in flight:
+    # its word on the allocation holds, the move in flight does not end.
+    barrier = Allocation.of({"rollout": range(0, 14), "trainer": (14, 15)})
+    s.handle(MoveOutcome(decision_id="barrier-0", ok=True, allocation=barrier, external=True))
+    assert s.allocation == barrier and s.safety.in_flight == command.decision_id
+    finish(s, command)
+    assert s.safety.in_flight is None
+    clock.advance(20.0)
+    s.handle(MoveOutcome(decision_id="barrier-1", ok=True, allocation=START, external=True))
+    assert s.allocation == START and s.safety.in_flight is None
+    # No move within the minimum interval after the external one.
+    assert advance(s, clock, 9) == []
+    assert "minimum interval" in decisions(s.ledger)[-1].reason

@@ -21,6 +21,7 @@ from dynarl.sim import (
     VerlHybrid,
     make_policy,
     rlinf_dp_sizes,
+    start_partition,
 )
 from dynarl.sim.policies import POLICY_NAMES
 
@@ -150,12 +151,63 @@ def test_dynarl_executes_exactly_what_the_scheduler_commits() -> None:
     assert scheduler is not None
     committed = scheduler.ledger.query(kind="decision", committed=True)
     assert committed and all(isinstance(r, DecisionRecord) for r in committed)
-    assert len(committed) == len(recorder.moves)
     migrations = scheduler.ledger.query(kind="migration")
+    barriers = {m.decision_id for m in migrations if m.decision_id.startswith("barrier-")}  # type: ignore[union-attr]
+    # Every move is a committed decision, or the pipeline's return to the start at one of
+    # the barriers (the last may still be moving when the run ends).
+    iterations = sim.workload.num_iterations
+    assert len(recorder.moves) == len(committed) + iterations
+    assert {f"barrier-{i}" for i in range(iterations - 1)} <= barriers
     assert migrations and all(isinstance(m, MigrationRecord) for m in migrations)
     assert all(m.outcome == "committed" and m.pause_s > 0 for m in migrations)  # type: ignore[union-attr]
     assert scheduler.allocation == sim.allocation
     assert scheduler.safety.in_flight is None
+
+
+def test_dynarl_returns_to_the_iteration_start_allocation_at_every_barrier() -> None:
+    policy = DynarlPolicy()
+    sim, recorder = _run(policy, iterations=3)
+    start = start_partition(sim.workload)
+    assert sim.timeline.counts[0][:3] == (start["rollout"], start["inference"], start["trainer"])
+    ends = [t for t, e, _ in recorder.events if e == "iteration_end"]
+    for end in ends[:-1]:
+        # The barrier move runs at once and is the only move until it has arrived.
+        (moves,) = [m for t, m in recorder.moves if t == end]
+        assert {mv.src for mv in moves} >= {"trainer"}
+        arrived = min(t for t in sim.timeline.times if t > end)
+        assert sim.timeline.count_at("trainer", arrived) == start["trainer"]
+        assert sim.timeline.count_at("rollout", arrived) == start["rollout"]
+        assert not [t for t, _ in recorder.moves if end < t < arrived]
+
+
+def test_dynarl_registers_the_rollout_engines_and_releases_the_least_loaded() -> None:
+    policy = DynarlPolicy()
+    sim = Simulation(replace(small(), num_iterations=2), request_policy=policy.request_policy)
+    spread: list[float] = []
+    seen: set[str] = set()
+    original = sim.rollout.remove_devices
+
+    def remove(devices):  # type: ignore[no-untyped-def]
+        gone = set(devices)
+        engines = sorted(sim.rollout.engines.values(), key=lambda e: e.index)
+        decision = policy.scheduler.safety.in_flight if policy.scheduler else None
+        if decision is not None and decision not in seen:
+            # A decision's first move: the scheduler saw the engines as its workers.
+            seen.add(decision)
+            workers = policy.graph.component("rollout").workers
+            assert [w.devices for w in workers] == [e.devices for e in engines]
+            out = [e.utilization() for e in engines if gone & set(e.devices)]
+            kept = [e.utilization() for e in engines if not gone & set(e.devices)]
+            if out and kept:
+                spread.append(sum(out) / len(out) - sum(kept) / len(kept))
+        return original(devices)
+
+    sim.rollout.remove_devices = remove  # type: ignore[method-assign]
+    sim.run(policy)
+    # Every decision released engines less busy, on average, than the ones it kept (it
+    # reads the report of the same instant; receivers take node-local pairs, so a pair's
+    # total decides, not each engine's).
+    assert spread and max(spread) < 0
 
 
 def test_dynarl_priority_orders_the_engines_by_priority() -> None:
@@ -181,3 +233,22 @@ def test_moves_charge_the_modelled_pause() -> None:
     assert arrived == pytest.approx(first_time + max(pauses))
     assert max(pauses) in (spec.workload_s, spec.p2p_s)
     assert math.isfinite(arrived)
+
+
+@pytest.mark.parametrize("kind", ["math", "agentic"])
+def test_dynarl_completes_every_iteration_when_its_scheduler_never_moves(kind: str) -> None:
+    # Safe mode and observe_only freeze the allocation: the iteration-start allocation
+    # must run an iteration on its own, so every stage starts with at least one replica
+    # (inference's minimum is 0 in the shipped files; starting it there deadlocked).
+    base = replace(small(kind), num_iterations=2)
+    workload = replace(base, scheduler=replace(base.scheduler, observe_only=True))
+    start = start_partition(workload)
+    assert workload.inference.min_gpus == 0
+    assert start["inference"] >= workload.inference.tp
+    assert start["trainer"] >= workload.trainer.tp
+    policy = DynarlPolicy()
+    sim = Simulation(workload, request_policy=policy.request_policy)
+    result = sim.run(policy)
+    assert [it.index for it in result.iterations] == [0, 1]
+    assert all(it.samples == workload.batch.num_samples for it in result.iterations)
+    assert sim.timeline.counts[0][:3] == (start["rollout"], start["inference"], start["trainer"])

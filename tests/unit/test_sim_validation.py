@@ -2,8 +2,10 @@
 
 The shipped workloads are derived from facts by ``examples/workloads/calibrate.py``; these
 tests compare what the simulator then predicts with the paper's results. Where the
-simulator disagrees, the test is an ``xfail(strict=True)`` whose reason says by how much
-and why — it fails loudly if the disagreement goes away, so the reason is kept true.
+simulator disagrees, the test either asserts what the model gives (with the reason in its
+docstring) or is an ``xfail(strict=True)`` whose reason says by how much and why — both
+fail loudly if the disagreement goes away, so the reason is kept true. The figures and
+the reasons are collected in docs/workloads.md, "Validation".
 Nothing here tunes anything: every run uses a shipped file as it is (sweeps change only
 the swept scheduler parameter).
 """
@@ -35,19 +37,23 @@ def speedup(workload: str, policy: str, baseline: str) -> float:
     return result(workload, policy).throughput / result(workload, baseline).throughput
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="simulator: dynarl is ~1.13x static-sequential on math-7b-64gpu, not 1.4-1.7x. "
-    "Static-sequential is rollout on 64 GPUs (~405 s) then log-prob and training (~238 s "
-    "with switches); dynarl overlaps most of the latter, but its rollout phase takes ~495 s: "
-    "~23 s pass at each iteration start before Stage 1 (T = 4 s, then a 4 s migration) "
-    "hands the GPUs back, and the engines given away in the tail abort their requests, "
-    "which re-prefill and queue on the rest; the trainer then needs ~65-85 s more after "
-    "the last sample. The ideal-overlap bound is ~1.59x.",
-)
-def test_math_7b_64gpu_dynarl_over_static_sequential_is_1_4_to_1_7() -> None:
+def test_math_7b_64gpu_dynarl_over_static_sequential_as_modelled() -> None:
+    """The paper reports 1.4-1.7x here; this calibration gives ~1.18x, and no policy 1.4x.
+
+    Static-sequential is rollout on 64 GPUs (~410 s) then log-prob and training (~237 s).
+    dynarl can only overlap these with rollout's tail: until ~92% of the samples are done
+    (~250 s) fewer than 80% of the engines are below U_low = 0.2 of their KV (Stage 1 finds
+    no donor), and the tail it then merges onto fewer engines decodes slower (its long
+    contexts make each step read more KV), so rollout ends ~69 s later (~479 s) and ~67 s
+    of training follows it. ``examples/workloads/overlap_bound.py`` finds no rollout shrink
+    schedule beating ~491 s per iteration (1.31x), even with free migrations and perfect
+    packing; ``examples/workloads/sensitivity.py`` shows no single modelling choice (KV
+    read cost, roofline GEMMs, KV capacity, downstream speed) taking dynarl past 1.24x.
+    Why the paper's figure is higher: docs/workloads.md, "Validation". If the model ever
+    reaches the paper's range this test fails, and the reason is revisited.
+    """
     ratio = speedup("math-7b-64gpu", "dynarl", "static-sequential")
-    assert 1.4 <= ratio <= 1.7
+    assert 1.1 <= ratio < 1.4
 
 
 def test_math_7b_64gpu_dynarl_beats_rlinf_rule_and_verl_hybrid() -> None:
@@ -65,20 +71,45 @@ def test_agentic_priority_beats_plain_dynarl_elsewhere(workload: str) -> None:
     assert speedup(workload, "dynarl+priority", "dynarl") > 1.0
 
 
-def test_u_low_sweep_has_a_plateau_with_losses_at_both_ends() -> None:
-    values = (0.01, 0.1, 0.2, 0.3, 0.5)
-    throughput = {v: result("math-1.5b-64gpu", "dynarl", "u_low", v).throughput for v in values}
-    plateau = min(throughput[v] for v in (0.1, 0.2, 0.3))
-    assert throughput[0.01] < plateau
-    assert throughput[0.5] < plateau
+def _u_low(value: float) -> float:
+    return result("math-1.5b-64gpu", "dynarl", "u_low", value).throughput
 
 
-def test_t_window_sweep_loses_at_32_and_64_seconds() -> None:
-    values = (2.0, 4.0, 8.0, 32.0, 64.0)
-    throughput = {v: result("math-1.5b-64gpu", "dynarl", "t_window", v).throughput for v in values}
-    plateau = min(throughput[v] for v in (2.0, 4.0, 8.0))
-    assert throughput[32.0] < plateau
-    assert throughput[64.0] < throughput[32.0] or throughput[64.0] < plateau
+def test_u_low_sweep_loses_at_0_01_against_the_plateau() -> None:
+    assert _u_low(0.01) < min(_u_low(v) for v in (0.1, 0.2, 0.3))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="on math-1.5b-64gpu every rollout engine stays below ~0.2 of its KV capacity "
+    "(8192 sequences over 60 engines of 2.4M tokens), so from U_low = 0.2 up Stage 1 flags "
+    "rollout as a donor T seconds into every iteration and Stage 2 alone decides: U_low 0.2, "
+    "0.3 and 0.5 give the same run. The paper's loss at 0.5 (-14.1%, 'reluctant to "
+    "reconfigure') would need the opposite of Stage 1's rule (a higher U_low means more "
+    "donors), or engines much fuller than this calibration's.",
+)
+def test_u_low_sweep_loses_at_0_5() -> None:
+    assert _u_low(0.5) < min(_u_low(v) for v in (0.1, 0.2, 0.3))
+
+
+def _t_window(value: float) -> float:
+    return result("math-1.5b-64gpu", "dynarl", "t_window", value).throughput
+
+
+def test_t_window_sweep_loses_at_64_seconds() -> None:
+    assert _t_window(64.0) < min(_t_window(v) for v in (2.0, 4.0, 8.0, 32.0))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="T = 32 s gives +0.6% over T = 2-8 s on math-1.5b-64gpu (the paper: -3.1%): its "
+    "engines sit below U_low from the first seconds of every iteration (see the U_low 0.5 "
+    "test), so T only delays rollout's first release; at 32 s the scheduler makes fewer, "
+    "later moves (6 against 9.5 per iteration), whose saved migrations about pay for the "
+    "later start. At 64 s the delay dominates (-6.5%, the paper -6.4%).",
+)
+def test_t_window_sweep_loses_at_32_seconds() -> None:
+    assert _t_window(32.0) < min(_t_window(v) for v in (2.0, 4.0, 8.0))
 
 
 def _ramp(policy: str, gpus: int) -> float:
@@ -94,11 +125,13 @@ def _ramp(policy: str, gpus: int) -> float:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="held-out fact: the paper's trainer holds 52 GPUs at ~380 s with priority and 32 "
-    "at ~420 s without; the simulator gives 52 at ~445 s (+17%) and 32 at ~330 s (-22%). "
-    "Math requests never call tools, so DynaRL's priority key (tool calls, cached prefix) "
-    "barely reorders them and both runs follow one ramp (32 GPUs near 330 s, 52 near "
-    "445 s); the paper's gap between the two runs has no mechanism in this model.",
+    reason="held-out fact: the paper's trainer holds 52 GPUs at ~380 s with priority and 32 at "
+    "~420 s without; the simulator gives 52 at ~467 s with priority (+23%) and 32 at ~323 s "
+    "without (-23%). Both runs follow one ramp (32 GPUs near 320 s, 52 near 450-480 s): math "
+    "requests never call tools (k_r = 0) and a GRPO group's siblings share one engine and one "
+    "cached prompt, so DynaRL's key (k_r, m_r) orders them as FIFO does, and a re-dispatched "
+    "partial request finds nothing of its own cached on its new engine. The paper's gap "
+    "between the two runs has no mechanism in this model.",
 )
 def test_held_out_7b_timeline_within_15_percent() -> None:
     assert _ramp("dynarl+priority", 52) == pytest.approx(380.0, rel=0.15)

@@ -11,6 +11,7 @@ from dynarl.sched import (
     CostEstimate,
     DonorSignal,
     HyperNode,
+    Node,
     Resize,
     SchedulerConfig,
     StaticMigrationCost,
@@ -226,3 +227,102 @@ def test_static_cost_model() -> None:
     )
     assert COST.estimate(resizes) == CostEstimate(seconds=2.0, bytes=200)
     assert COST.estimate(()) == CostEstimate(seconds=0.0, bytes=0)
+
+
+def _rollout_with_workers(tp: int, loads: dict[tuple[int, ...], float]) -> HyperNode:
+    workers = tuple(
+        Node(worker=i, devices=devs, utilization=u) for i, (devs, u) in enumerate(loads.items())
+    )
+    return HyperNode(name="a", kind=ComponentKind.ROLLOUT, tp=tp, workers=workers)
+
+
+def test_placement_releases_the_least_utilized_registered_workers() -> None:
+    # Engines of two devices on two 4-device nodes; the receiver needs one pair.
+    loads = {(0, 1): 0.30, (2, 3): 0.05, (4, 5): 0.10, (6, 7): 0.20}
+    nodes = {
+        "a": _rollout_with_workers(2, loads),
+        "b": HyperNode(name="b", kind=ComponentKind.TRAINER, tp=2),
+    }
+    alloc = Allocation.of({"a": range(8), "b": range(8, 12)})
+    (move,) = place(alloc, (), {"a": 6, "b": 6}, nodes, devices_per_node=4)
+    assert move.devices == (2, 3)
+    # The per-worker loads of a report (worker order) take precedence over the registry's.
+    (move,) = place(
+        alloc, (), {"a": 6, "b": 6}, nodes, devices_per_node=4, load={"a": (0.0, 0.5, 0.5, 0.5)}
+    )
+    assert move.devices == (0, 1)
+
+
+def test_placement_releases_whole_blocks_by_their_total_load() -> None:
+    # The receiver's TP is 4: it needs two engines of one node. Node 1's pair costs
+    # 0.10 + 0.20, node 0's 0.05 + 0.30; the cheaper block goes even though node 0 holds
+    # the least loaded single engine.
+    loads = {(0, 1): 0.30, (2, 3): 0.05, (4, 5): 0.10, (6, 7): 0.20}
+    nodes = {
+        "a": _rollout_with_workers(2, loads),
+        "b": HyperNode(name="b", kind=ComponentKind.TRAINER, tp=4),
+    }
+    alloc = Allocation.of({"a": range(8), "b": range(8, 12)})
+    (move,) = place(alloc, (), {"a": 4, "b": 8}, nodes, devices_per_node=4)
+    assert move.devices == (4, 5, 6, 7)
+
+
+def test_placement_falls_back_to_topology_when_workers_do_not_match() -> None:
+    # Registered workers that do not cover the held devices (stale) are ignored.
+    stale = _rollout_with_workers(2, {(0, 1): 0.9, (2, 3): 0.0})
+    nodes = {"a": stale, "b": HyperNode(name="b", kind=ComponentKind.TRAINER, tp=2)}
+    alloc = Allocation.of({"a": range(8), "b": range(8, 12)})
+    plain = {"a": HyperNode(name="a", kind=ComponentKind.ROLLOUT, tp=2), "b": nodes["b"]}
+    expected = place(alloc, (), {"a": 6, "b": 6}, plain, devices_per_node=4)
+    assert place(alloc, (), {"a": 6, "b": 6}, nodes, devices_per_node=4) == expected
+
+
+def _pipeline_stats(rollout_remaining: int) -> dict[str, object]:
+    return stats_of(
+        report("rollout", remaining=rollout_remaining, utilization=(0.9,) * 8),
+        report("inference", kind="inference", utilization=(0.0,) * 2, remaining=0),
+        report("trainer", kind="trainer", remaining=500, queue_depth=500, utilization=(1.0,) * 2),
+    )
+
+
+@pytest.mark.parametrize(("upstream", "floor"), [(100, 2), (0, 0)])
+def test_a_donor_keeps_one_replica_while_its_inputs_are_still_coming(
+    upstream: int, floor: int
+) -> None:
+    nodes = {
+        "rollout": HyperNode(name="rollout", kind=ComponentKind.ROLLOUT, successors=("inference",)),
+        "inference": HyperNode(
+            name="inference",
+            kind=ComponentKind.INFERENCE,
+            tp=2,
+            predecessors=("rollout",),
+            successors=("trainer",),
+        ),
+        "trainer": HyperNode(
+            name="trainer",
+            kind=ComponentKind.TRAINER,
+            migration=MigrationKind.P2P,
+            tp=2,
+            min_devices=2,
+            predecessors=("inference",),
+        ),
+    }
+    alloc = Allocation.of({"rollout": range(8), "inference": range(8, 12), "trainer": (12, 13)})
+    decision = decide(
+        nodes=nodes,
+        allocation=alloc,
+        free=(),
+        stats=_pipeline_stats(upstream),
+        donors=[DonorSignal(component="inference", idle_fraction=1.0, mean_utilization=0.0)],
+        predictor=PowerLawPredictor(
+            {"rollout": (10.0, 1.0, 0.0), "inference": (50.0, 1.0, 0.0), "trainer": (1.0, 1.0, 0.0)}
+        ),
+        cost=COST,
+        config=SchedulerConfig(num_devices_per_node=16),
+        time=10.0,
+    )
+    assert decision.committed and decision.chosen is not None
+    # Idle with nothing queued, inference never limits; the trainer takes what it frees,
+    # all of it only once nothing more can come from rollout.
+    assert decision.chosen.size("inference") == floor
+    assert decision.chosen.size("trainer") == 14 - 8 - floor

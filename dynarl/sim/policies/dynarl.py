@@ -1,14 +1,26 @@
 """dynarl's own scheduler, driven in virtual time (no second copy of any decision).
 
 The policy builds the real :class:`~dynarl.sched.Scheduler` with the simulator's clock,
-the three components as hypernodes, a :class:`~dynarl.sched.RegressionPredictor` seeded
-with the offline profiles, and the modelled migration cost. Every interval it hands the
+the pipeline as a :class:`~dynarl.sched.Hypergraph` (rollout → inference → trainer, the
+rollout engines registered as its workers with their devices, so placement can release
+the least-loaded ones), a :class:`~dynarl.sched.RegressionPredictor` seeded with the
+offline profiles, and the modelled migration cost. Every interval it hands the
 components' reports to :meth:`Scheduler.handle`; each :class:`MigrationCommand` that
 comes back is executed in the model (with its modelled pause), and its
 :class:`MoveOutcome` — with one :class:`MigrationRecord` per resized component — goes
 back to the scheduler when the pause ends. ``dynarl+priority`` is the same scheduler with
 the engines' request queues ordered by DynaRL's priority (completed tool calls, then
-reusable cached prefix) instead of FIFO. Both start from the static split.
+reusable cached prefix) instead of FIFO.
+
+Both start from :func:`~dynarl.sim.profile.start_partition` and follow the synchronous
+barrier rule (:meth:`Simulation.restore`): when an iteration's training ends, the
+pipeline returns to that iteration-start allocation — the trainer shrinks back and its
+devices become rollout engines, at the modelled migration cost, overlapping the weight
+sync — as RLinf's dynamic scheduling does ("at the end of the step the trainer shrinks
+to its initial size"). The move is the pipeline's, not a decision: the scheduler gets no
+reports while it runs (a barrier is not an interruptible point) and learns its result
+as an external :class:`MoveOutcome`. A scheduler move still in flight at the barrier
+finishes first.
 """
 
 from __future__ import annotations
@@ -18,15 +30,18 @@ from collections.abc import Mapping
 from dynarl.bus import ComponentReport, MigrationRecord
 from dynarl.sched import (
     FifoPolicy,
+    HyperEdge,
+    Hypergraph,
     MigrationCommand,
     MoveOutcome,
+    Node,
     PriorityPolicy,
     RegressionPredictor,
     RequestPolicy,
     Scheduler,
 )
 from dynarl.sim.components import COMPONENTS
-from dynarl.sim.profile import best_partition, predictor_profiles
+from dynarl.sim.profile import predictor_profiles, start_partition
 from dynarl.sim.simulator import Simulation
 from dynarl.types import Allocation
 
@@ -43,18 +58,32 @@ class DynarlPolicy:
         self.name = "dynarl+priority" if priority else "dynarl"
         self.partition = dict(partition) if partition is not None else None
         self.scheduler: Scheduler | None = None
+        self.graph = Hypergraph()
         self._number = 0
+        self.initial: dict[str, int] = {}
+        self._workers = (-1, -1)
+        self._barrier: int | None = None  # iteration whose barrier move waits for a move
+        self._restoring = False
 
     def request_policy(self) -> RequestPolicy:
         """The engines' queue order."""
         return PriorityPolicy() if self.priority else FifoPolicy()
 
     def setup(self, sim: Simulation) -> None:
-        """Place the static split and build the scheduler on the simulator's clock."""
+        """Place the iteration-start allocation; build the graph and the scheduler."""
         w = sim.workload
-        sim.assign(self.partition if self.partition is not None else best_partition(w))
+        self.initial = self.partition if self.partition is not None else start_partition(w)
+        sim.assign(self.initial)
+        self.graph = Hypergraph.of(
+            sim.nodes.values(),
+            (
+                HyperEdge(src="rollout", dst="inference", channel="samples"),
+                HyperEdge(src="inference", dst="trainer", channel="samples"),
+            ),
+        )
+        self._sync_workers(sim)
         self.scheduler = Scheduler(
-            graph=sim.nodes,
+            graph=self.graph,
             allocation=sim.allocation,
             predictor=RegressionPredictor(predictor_profiles(w)),
             cost=sim.cost,
@@ -63,15 +92,59 @@ class DynarlPolicy:
             free=sorted(sim.free),
         )
 
+    def _sync_workers(self, sim: Simulation) -> None:
+        """Register the rollout engines as workers, in the order their reports list them.
+
+        Engine indices only grow, so (count, highest index) changes whenever the set does.
+        """
+        engines = sim.rollout.engines
+        key = (len(engines), max(engines, default=-1))
+        if key != self._workers:
+            self._workers = key
+            ordered = sorted(engines.values(), key=lambda e: e.index)
+            self.graph.set_workers(
+                "rollout", (Node(worker=i, devices=e.devices) for i, e in enumerate(ordered))
+            )
+
     def on_reports(self, sim: Simulation, reports: Mapping[str, ComponentReport]) -> None:
         """Feed every component's report to the scheduler; run what it commits."""
         assert self.scheduler is not None
+        if self._restoring:
+            return
+        self._sync_workers(sim)
         for name in COMPONENTS:
             for command in self.scheduler.handle(reports[name]):
                 self._execute(sim, command)
 
     def on_event(self, sim: Simulation, event: str, iteration: int, index: int = 0) -> None:
-        """The scheduler acts on reports only."""
+        """At an iteration's end, return to the iteration-start allocation (the barrier rule)."""
+        if event != "iteration_end":
+            return
+        assert self.scheduler is not None
+        self._barrier = iteration
+        if self.scheduler.safety.in_flight is None:
+            self._restore(sim)
+
+    def _restore(self, sim: Simulation) -> None:
+        iteration, self._barrier = self._barrier, None
+        before, start = sim.allocation, sim.loop.now
+        self._restoring = True
+
+        def done() -> None:
+            self._restoring = False
+            assert self.scheduler is not None
+            after = sim.allocation
+            outcome = MoveOutcome(
+                decision_id=f"barrier-{iteration}",
+                ok=True,
+                allocation=after,
+                records=self._records(sim, f"barrier-{iteration}", before, after, start),
+                external=True,
+            )
+            for follow in self.scheduler.handle(outcome):
+                self._execute(sim, follow)
+
+        sim.restore(self.initial, on_done=done)
 
     def _execute(self, sim: Simulation, command: MigrationCommand) -> None:
         before = sim.allocation
@@ -86,6 +159,20 @@ class DynarlPolicy:
     ) -> None:
         assert self.scheduler is not None
         after = sim.allocation
+        outcome = MoveOutcome(
+            decision_id=command.decision_id,
+            ok=True,
+            allocation=after,
+            records=self._records(sim, command.decision_id, before, after, start),
+        )
+        for follow in self.scheduler.handle(outcome):
+            self._execute(sim, follow)
+        if self._barrier is not None and self.scheduler.safety.in_flight is None:
+            self._restore(sim)
+
+    def _records(
+        self, sim: Simulation, decision_id: str, before: Allocation, after: Allocation, start: float
+    ) -> tuple[MigrationRecord, ...]:
         records = []
         for name in COMPONENTS:
             if before.devices(name) == after.devices(name):
@@ -93,8 +180,8 @@ class DynarlPolicy:
             self._number += 1
             records.append(
                 MigrationRecord(
-                    migration_id=f"{command.decision_id}-m{self._number}",
-                    decision_id=command.decision_id,
+                    migration_id=f"{decision_id}-m{self._number}",
+                    decision_id=decision_id,
                     time=sim.loop.now,
                     kind=sim.nodes[name].migration.value,
                     component=name,
@@ -104,8 +191,4 @@ class DynarlPolicy:
                     pause_s=sim.loop.now - start,
                 )
             )
-        outcome = MoveOutcome(
-            decision_id=command.decision_id, ok=True, allocation=after, records=tuple(records)
-        )
-        for follow in self.scheduler.handle(outcome):
-            self._execute(sim, follow)
+        return tuple(records)
