@@ -1,398 +1,323 @@
-"""``dynarl demo``: a controller, group managers and workers on the real bus, live.
+"""``dynarl demo``: a real GRPO job on this machine, under dynarl and under static schedules.
 
-The controller (this process) hosts the bus server and the ``samples`` channel. It starts
-one manager process per component and one worker process per core: rollout workers run a
-small torch policy that samples token sequences and put them into the channel (blocking
-when it is full), trainer workers take batches and run policy-gradient steps on them.
-Each worker reports ``WorkerMetrics`` to its group manager once per interval; each manager
-sends the controller one aggregated ``ComponentReport`` per interval, whatever its number
-of workers. The controller shows live figures — per-worker utilization, samples/s, bus
-requests/s, reports/s and round-trip times — then a summary, and stops every process it
-started. Until the reference RL job exists this is the most real thing dynarl runs.
+The job (``dynarl.backends.reference``): a small GPT built from Megatron-core layers,
+warmed up by supervised steps, then trained by GRPO on a multi-turn calculator task
+(episodes call a calculator whose latency is drawn per call) or a single-turn task with
+heavy-tailed response lengths. Each device is one worker process with one compute
+thread; by default there are as many devices as the machine has cores. The same job —
+same seed, prompts, initial weights — runs three ways, one after the other on the same
+CPU:
+
+* static sequential: every device generates, then every device trains (roles switch at
+  the barriers), as colocated RL frameworks do;
+* every static split of the devices (a sweep): some generate, the others train,
+  learning each prompt group as soon as it is complete;
+* dynarl: starts like sequential; when the scheduler sees rollout engines idle (tool
+  waits, the tail of long episodes), it moves a device to the trainer (workload
+  migration: in-flight generations are aborted and resumed on the other engine), which
+  learns the complete prompt groups at once; at the barrier the trainer grows by P2P
+  migration when enough is left to learn, and shrinks back after the step; the next
+  rollout starts where the scheduler left the trainer.
+
+Where the gain comes from: rollout engines idle while episodes wait for the calculator
+and while the last episodes finish; the trainer's work on complete groups fills that
+time. Nothing sleeps in place of compute, and every schedule gets the same CPU.
+
+Live progress (rich) shows the step, episodes done, micro-batches learned and devices per
+component; at the end the side-by-side is printed and the run directory holds
+``events.jsonl`` (every run's ledger, tagged with its run), ``timeline.png``,
+``curves.png`` and ``summary.md``. Runs in the CLI process (its own event loop); every
+worker process it starts is stopped before it returns.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import logging
 import os
-import signal
-import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
-from dynarl.bus import (
-    Ack,
-    BusClient,
-    BusConfig,
-    BusServer,
-    Channel,
-    ChannelBackend,
-    ComponentReport,
-    Peer,
-    Ping,
-    Sample,
-    WorkerGroup,
-    WorkerMetrics,
-    pack_tokens,
-    run,
-    unpack_tokens,
-)
-from dynarl.types import ComponentKind
+__all__ = ["SUMMARY", "LiveView", "add_arguments", "format_summary", "main", "write_run_dir"]
 
-__all__ = ["SUMMARY", "ToyRollout", "ToyTrainer", "add_arguments", "main"]
-
-SUMMARY = "run a live multi-process demo of the bus: rollout and trainer workers on this machine"
-CONFIG = BusConfig(heartbeat_interval_s=0.5, num_missed_heartbeats=4, default_timeout_s=30.0)
-VOCAB, HIDDEN, PROMPT, NEW_TOKENS, BATCH = 512, 128, 8, 24, 16
-
-
-def _policy(seed: int) -> object:
-    import torch
-
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Embedding(VOCAB, HIDDEN), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(),
-        torch.nn.Linear(HIDDEN, VOCAB),
-    )  # fmt: skip
-
-
-class ToyRollout(WorkerGroup, kind=ComponentKind.ROLLOUT, min_workers=1):
-    """Samples token sequences from a small policy; reward = share of tokens below VOCAB/2."""
-
-    samples = Channel("samples", Sample, capacity=64)
-
-    def __init__(self, worker: int, backend: ChannelBackend) -> None:
-        self.worker, self.busy_s, self.completed = worker, 0.0, 0
-        self.samples = type(self).samples.bind(backend)
-        self._policy = _policy(1234)
-
-    def _generate(self, batch: int) -> list[Sample]:
-        import torch
-
-        with torch.no_grad():
-            tokens = torch.randint(0, VOCAB, (BATCH, PROMPT))
-            for _ in range(NEW_TOKENS):
-                logits = self._policy(tokens[:, -1])  # type: ignore[operator]
-                tokens = torch.cat([tokens, torch.multinomial(logits.softmax(-1), 1)], dim=1)
-        rewards = (tokens[:, PROMPT:] < VOCAB // 2).float().mean(dim=1)
-        return [
-            Sample(
-                sample_id=f"r{self.worker}-b{batch}-{row}",
-                token_ids=pack_tokens(tokens[row].numpy()),
-                prompt_len=PROMPT,
-                reward=float(rewards[row]),
-            )
-            for row in range(BATCH)
-        ]
-
-    async def run(self) -> None:
-        """Generate batches forever, blocking on the channel when the trainer lags."""
-        for batch in range(sys.maxsize):
-            start = time.perf_counter()
-            generated = await asyncio.to_thread(self._generate, batch)
-            self.busy_s += time.perf_counter() - start
-            for sample in generated:
-                await self.samples.put(sample, key="train")
-            self.completed += len(generated)
-
-
-class ToyTrainer(WorkerGroup, kind=ComponentKind.TRAINER, min_workers=1):
-    """REINFORCE steps on batches of samples taken from the channel."""
-
-    samples = Channel("samples", Sample, capacity=64)
-
-    def __init__(self, worker: int, backend: ChannelBackend) -> None:
-        import torch
-
-        self.worker, self.busy_s, self.completed = worker, 0.0, 0
-        self.samples = type(self).samples.bind(backend)
-        self._policy = _policy(1234)
-        self._optimizer = torch.optim.SGD(self._policy.parameters(), lr=0.05)  # type: ignore[attr-defined]
-
-    def _step(self, batch: list[Sample]) -> float:
-        import torch
-
-        tokens = torch.stack([torch.from_numpy(unpack_tokens(s.token_ids).copy()) for s in batch])
-        rewards = torch.tensor([s.reward or 0.0 for s in batch])
-        logits = self._policy(tokens[:, PROMPT - 1 : -1])  # type: ignore[operator]
-        chosen = logits.log_softmax(-1).gather(-1, tokens[:, PROMPT:, None]).squeeze(-1)
-        loss = -((rewards - rewards.mean())[:, None] * chosen).mean()
-        self._optimizer.zero_grad()
-        loss.backward()
-        self._optimizer.step()
-        return float(loss.detach())
-
-    async def run(self) -> None:
-        """Train on batches as they arrive."""
-        while True:
-            batch = [await self.samples.get(key="train") for _ in range(BATCH)]
-            start = time.perf_counter()
-            await asyncio.to_thread(self._step, batch)
-            self.busy_s += time.perf_counter() - start
-            self.completed += len(batch)
-
-
-GROUPS: dict[str, type[ToyRollout] | type[ToyTrainer]] = {
-    "rollout": ToyRollout,
-    "trainer": ToyTrainer,
-}
-
-
-async def _until_stopped() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-
-
-async def _worker(args: argparse.Namespace) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    name = f"{args.group}/{args.index}"
-    async with (
-        BusClient(args.controller, name=f"{name}/data", config=CONFIG) as data,
-        BusClient(
-            args.manager, name=name, config=CONFIG, role="worker", component=args.group
-        ) as manager,
-    ):
-        component = GROUPS[args.group](args.index, data)
-
-        async def report() -> None:
-            busy, done, last = 0.0, 0, time.perf_counter()
-            while True:
-                await asyncio.sleep(args.interval)
-                now = time.perf_counter()
-                metrics = WorkerMetrics(
-                    component=args.group,
-                    worker=args.index,
-                    time=time.time(),
-                    interval_s=now - last,
-                    utilization=min(1.0, (component.busy_s - busy) / (now - last)),
-                    completed=component.completed - done,
-                )
-                busy, done, last = component.busy_s, component.completed, now
-                await manager.request(metrics)
-
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(component.run()), group.create_task(report())]
-            await _until_stopped()
-            for task in tasks:
-                task.cancel()
-
-
-async def _manager(args: argparse.Namespace) -> None:
-    latest: dict[int, WorkerMetrics] = {}
-    kind = GROUPS[args.group].spec.kind
-    total = 0
-
-    def collect(message: WorkerMetrics, peer: Peer) -> Ack:
-        latest[message.worker] = message
-        return Ack()
-
-    async with BusServer(name=f"{args.group}-manager", config=CONFIG) as server:
-        server.route(WorkerMetrics, collect)
-        sys.stdout.write(server.address + "\n")
-        sys.stdout.flush()
-        async with BusClient(
-            args.controller, name=f"{args.group}/manager", config=CONFIG, role="manager"
-        ) as controller:
-
-            async def forward() -> None:
-                nonlocal total
-                while True:
-                    await asyncio.sleep(args.interval)
-                    reports = [latest.get(worker) for worker in range(args.workers)]
-                    done = sum(r.completed for r in reports if r is not None)
-                    total += done
-                    await controller.request(
-                        ComponentReport(
-                            component=args.group,
-                            kind=str(kind),
-                            time=time.time(),
-                            interval_s=args.interval,
-                            throughput=done / args.interval,
-                            utilization=tuple(r.utilization if r else 0.0 for r in reports),
-                            completed=total,
-                        )
-                    )
-
-            async with asyncio.TaskGroup() as group:
-                task = group.create_task(forward())
-                await _until_stopped()
-                task.cancel()
-
-
-@dataclass
-class _Figures:
-    reports: dict[str, ComponentReport] = field(default_factory=dict)
-    num_reports: int = 0
-    rtts_us: list[float] = field(default_factory=list)
-    samples_per_s: dict[str, list[float]] = field(default_factory=dict)
-    utilization: dict[str, list[float]] = field(default_factory=dict)
-
-    def take(self, report: ComponentReport, peer: Peer) -> Ack:
-        self.reports[report.component] = report
-        self.num_reports += 1
-        self.samples_per_s.setdefault(report.component, []).append(report.throughput)
-        self.utilization.setdefault(report.component, []).extend(report.utilization)
-        return Ack()
-
-
-def _table(figures: _Figures, server: BusServer, rates: dict[str, float], left: float) -> object:
-    from rich.table import Table
-
-    table = Table(title=f"dynarl demo — {left:4.0f} s left", expand=False)
-    for column in ("component", "workers", "utilization per worker", "samples/s", "done"):
-        table.add_column(column)
-    for name, report in sorted(figures.reports.items()):
-        bars = "  ".join(f"{'█' * round(u * 10):<10} {u:4.0%}" for u in report.utilization)
-        row = [name, str(len(report.utilization)), bars, f"{report.throughput:,.0f}"]
-        table.add_row(*row, f"{report.completed:,}")
-    queued = sum(server.channels.sizes().values())
-    rtt = statistics.median(figures.rtts_us[-50:]) if figures.rtts_us else 0.0
-    table.caption = (
-        f"bus: {rates['requests']:,.0f} req/s at the controller, {rates['reports']:.1f} reports/s,"
-        f" controller→manager RTT p50 {rtt:,.0f} µs, {queued} samples queued,"
-        f" {len(server.peers())} peers"
-    )
-    return table
-
-
-async def _controller(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.live import Live
-
-    console, figures, children = Console(), _Figures(), []
-    num_workers = args.workers or len(os.sched_getaffinity(0))
-    num_trainers = max(1, num_workers // 4)
-    sizes = {"rollout": max(1, num_workers - num_trainers), "trainer": num_trainers}
-    me = [sys.executable, "-m", "dynarl.demo"]
-    common = ["--interval", str(args.interval)]
-    async with BusServer(name="controller", config=CONFIG) as server:
-        server.route(ComponentReport, figures.take)
-        try:
-            for group, count in sizes.items():
-                command = [*me, "manager", group, "--controller", server.address]
-                command += ["--workers", str(count), *common]
-                manager = await asyncio.create_subprocess_exec(
-                    *command, stdout=asyncio.subprocess.PIPE
-                )
-                children.append(manager)
-                assert manager.stdout is not None
-                address = (await manager.stdout.readline()).decode().strip()
-                for index in range(count):
-                    worker = [*me, "worker", group, "--index", str(index), "--manager", address]
-                    worker += ["--controller", server.address, *common]
-                    children.append(await asyncio.create_subprocess_exec(*worker))
-            console.print(
-                f"[bold]dynarl demo[/]: controller at {server.address}, "
-                f"{sizes['rollout']} rollout + {sizes['trainer']} trainer workers, "
-                f"{len(children)} processes, {args.duration:.0f} s"
-            )
-            await _watch(args, server, figures, Live(console=console, refresh_per_second=4))
-        finally:
-            await _stop(children)
-    _summary(console, figures, server, sizes, len(children))
-    return 0
-
-
-async def _watch(
-    args: argparse.Namespace, server: BusServer, figures: _Figures, live: object
-) -> None:
-    from rich.live import Live
-
-    assert isinstance(live, Live)
-    start = time.monotonic()
-    last = (start, server.stats.requests_in, figures.num_reports)
-    rates = {"requests": 0.0, "reports": 0.0}
-    printed = start
-    with live:
-        while (now := time.monotonic()) - start < args.duration:
-            for manager in [name for name in server.peers() if name.endswith("/manager")]:
-                sent = time.perf_counter()
-                await server.request(manager, Ping(seq=len(figures.rtts_us)), timeout=5)
-                figures.rtts_us.append((time.perf_counter() - sent) * 1e6)
-            if now - last[0] >= 1.0:
-                span = now - last[0]
-                rates["requests"] = (server.stats.requests_in - last[1]) / span
-                rates["reports"] = (figures.num_reports - last[2]) / span
-                last = (now, server.stats.requests_in, figures.num_reports)
-            table = _table(figures, server, rates, args.duration - (now - start))
-            live.update(table)  # type: ignore[arg-type]
-            if not live.console.is_terminal and now - printed >= 5.0:
-                printed = now  # no live redraw in a log: a status line every few seconds
-                live.console.print(f"{now - start:4.0f} s  {table.caption}")  # type: ignore[attr-defined]
-            await asyncio.sleep(0.25)
-
-
-async def _stop(children: Sequence[asyncio.subprocess.Process]) -> None:
-    for child in children:
-        if child.returncode is None:
-            child.terminate()
-    for child in children:
-        try:
-            await asyncio.wait_for(child.wait(), 10)
-        except TimeoutError:
-            child.kill()
-            await child.wait()
-
-
-def _summary(
-    console: object, figures: _Figures, server: BusServer, sizes: dict[str, int], num_processes: int
-) -> None:
-    from rich.console import Console
-
-    assert isinstance(console, Console)
-    console.print("\n[bold]summary[/]")
-    for name in sorted(figures.samples_per_s):
-        rates, utils = figures.samples_per_s[name], figures.utilization[name]
-        done = figures.reports[name].completed
-        console.print(
-            f"  {name:8s} {sizes[name]} workers  mean {statistics.mean(rates):8,.0f} samples/s  "
-            f"mean utilization {statistics.mean(utils):4.0%}  done {done:,}"
-        )
-    if figures.rtts_us:
-        ordered = sorted(figures.rtts_us)
-        console.print(
-            f"  bus      {server.stats.requests_in:,} requests served by the controller, "
-            f"{figures.num_reports} reports; controller→manager RTT p50 "
-            f"{ordered[len(ordered) // 2]:,.0f} µs, p99 {ordered[int(len(ordered) * 0.99)]:,.0f} µs"
-        )
-    console.print(f"  stopped all {num_processes} processes this demo started")
+SUMMARY = "run a real GRPO job under dynarl, static-sequential and the best static split"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``dynarl demo`` options."""
-    parser.add_argument("--duration", type=float, default=30.0, help="seconds to run")
-    parser.add_argument("--workers", type=int, default=0, help="worker processes (0: one per core)")
-    parser.add_argument("--interval", type=float, default=1.0, help="reporting interval, seconds")
+    """The demo's options."""
+    parser.add_argument("--devices", type=int, default=None, help="devices (default: cores)")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps per run")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per step")
+    parser.add_argument(
+        "--task", choices=("tool_calc", "chain_sum"), default=None, help="the RL task"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of every run")
+    parser.add_argument(
+        "--out", default="runs", help="parent of the run directory (default: ./runs)"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("standalone",),
+        default="standalone",
+        help="standalone rollout and trainer components (hybrid: not available yet)",
+    )
+    parser.add_argument("--no-live", action="store_true", help="plain log lines, no live view")
+    parser.add_argument("--verbose", action="store_true", help="log the runtime's INFO lines")
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from dynarl.backends.reference.experiment import ExperimentConfig
+
+    config = ExperimentConfig(num_devices=args.devices or max(2, os.cpu_count() or 2))
+    changes: dict[str, Any] = {"seed": args.seed}
+    if args.steps is not None:
+        changes["num_steps"] = args.steps
+    if args.prompts is not None:
+        changes["num_prompts"] = args.prompts
+    if args.task is not None:
+        changes["task"] = args.task
+    return replace(config, **changes)
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the demo (the controller); returns the exit status."""
-    if args.duration <= 0 or args.interval <= 0 or args.workers < 0:
-        raise ValueError("--duration and --interval must be positive, --workers >= 0")
-    return run(_controller(args))
+    """Run the demo (the ``dynarl demo`` handler); the exit status."""
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = _config(args)
+    except ValueError as exc:
+        print(f"dynarl demo: {exc}", file=sys.stderr)
+        return 2
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(args.out) / f"demo-{stamp}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    with LiveView(config, enabled=not args.no_live) as view:
+        view.note(f"warm start ({config.sft_steps} supervised steps, cached in {args.out})")
+        from dynarl.backends.reference.experiment import prepare_setup
 
-
-def _child(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dynarl.demo")
-    parser.add_argument("role", choices=["manager", "worker"])
-    parser.add_argument("group", choices=sorted(GROUPS))
-    parser.add_argument("--controller", required=True)
-    parser.add_argument("--manager", default="")
-    parser.add_argument("--index", type=int, default=0)
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--interval", type=float, default=1.0)
-    args = parser.parse_args(argv)
-    run(_manager(args) if args.role == "manager" else _worker(args))
+        setup = prepare_setup(config, Path(args.out) / ".cache")
+        comparison = asyncio.run(_runs(config, setup, run_dir, view))
+    write_run_dir(run_dir, comparison)
+    print(format_summary(comparison, run_dir=run_dir, total_s=time.perf_counter() - began))
     return 0
 
 
+async def _runs(config: Any, setup: Any, run_dir: Path, view: Any) -> Any:
+    from dynarl.backends.reference.experiment import compare, plans, profiles_from, run_plan
+
+    dynarl_plan, sequential_plan, split_plans = plans(config)
+    view.note("static sequential")
+    sequential = await run_plan(
+        setup, sequential_plan, config, run_dir=run_dir / "sequential", observer=view.update
+    )
+    splits = []
+    for plan in split_plans:
+        view.note(f"static {plan.label}")
+        splits.append(
+            await run_plan(
+                setup, plan, config, run_dir=run_dir / plan.label.replace("/", "-"),
+                observer=view.update,
+            )
+        )  # fmt: skip
+    view.note("dynarl")
+    dynarl = await run_plan(
+        setup,
+        dynarl_plan,
+        config,
+        run_dir=run_dir / "dynarl",
+        profiles=profiles_from(sequential, config),
+        observer=view.update,
+    )
+    return compare(dynarl, sequential, splits)
+
+
+def write_run_dir(run_dir: Path, comparison: Any) -> None:
+    """``events.jsonl`` (every run's ledger, each record tagged with its run),
+    ``timeline.png``, ``curves.png``, ``summary.md`` and ``steps.json``."""
+    runs = [comparison.dynarl, comparison.sequential, *comparison.splits]
+    with open(run_dir / "events.jsonl", "w", encoding="utf-8") as out:
+        for result in runs:
+            path = Path(result.run_dir) / "events.jsonl"
+            if not path.exists():
+                continue
+            for line in path.read_text(encoding="utf-8").splitlines():
+                record = json.loads(line)
+                record["run"] = result.label
+                out.write(json.dumps(record) + "\n")
+    steps = {
+        r.label: [
+            {
+                "step": s.step,
+                "wall_s": s.wall_s,
+                "mean_reward": s.mean_reward,
+                "loss": s.loss,
+                "checksum": s.checksum,
+                "phases": s.phases,
+                "learned_early": s.learned_early,
+                "resumed": s.resumed,
+            }
+            for s in r.steps
+        ]
+        for r in runs
+    }
+    (run_dir / "steps.json").write_text(json.dumps(steps, indent=1), encoding="utf-8")
+    plot_runs(run_dir, runs)
+    (run_dir / "summary.md").write_text(format_summary(comparison, run_dir=run_dir), "utf-8")
+
+
+def plot_runs(run_dir: Path, runs: Sequence[Any]) -> None:
+    """``timeline.png`` (devices per component over time, one panel per run) and
+    ``curves.png`` (reward and loss per step, every run)."""
+    from dynarl.plots import allocation_timelines, line_panels
+
+    timelines = {}
+    for r in runs:
+        points = list(r.timeline)
+        if points:
+            points.append((max(r.wall_s, points[-1][0]), points[-1][1]))
+        names = sorted({name for _, counts in points for name in counts})
+        times = [t for t, _ in points]
+        devices = {n: [float(c.get(n, 0)) for _, c in points] for n in names}
+        timelines[f"{r.label}  ({r.wall_s:.1f} s)"] = (times, devices, r.step_starts)
+    allocation_timelines(
+        run_dir / "timeline.png",
+        timelines,
+        title="devices per component (dotted: step starts)",
+    )
+    steps = {r.label: [float(s.step) for s in r.steps] for r in runs}
+    line_panels(
+        run_dir / "curves.png",
+        {
+            "mean reward": {
+                r.label: (steps[r.label], [s.mean_reward for s in r.steps]) for r in runs
+            },
+            "loss": {r.label: (steps[r.label], [s.loss for s in r.steps]) for r in runs},
+        },
+        title="GRPO reward and loss per step (identical runs overlap)",
+    )
+
+
+def format_summary(comparison: Any, *, run_dir: Path, total_s: float | None = None) -> str:
+    """The side-by-side, as Markdown (also what the terminal shows)."""
+    c = comparison
+    runs = [c.dynarl, c.sequential, *c.splits]
+    lines = [
+        "# dynarl demo",
+        "",
+        "| run | wall (s) | s/step | speedup of dynarl | scheduler moves | migrations "
+        "| pause total (s) | learned early | resumed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        speedup = "—" if r is c.dynarl else f"{r.wall_s / c.dynarl.wall_s:.2f}×"
+        early = sum(s.learned_early for s in r.steps)
+        total = sum(len(s.micro_sizes) for s in r.steps)
+        lines.append(
+            f"| {r.label} | {r.wall_s:.1f} | {r.wall_s / len(r.steps):.2f} | {speedup} "
+            f"| {r.scheduler_moves} | {r.migrations} | {r.pause_s:.2f} | {early}/{total} "
+            f"| {sum(s.resumed for s in r.steps)} |"
+        )
+    yes = {True: "yes", False: "NO"}
+    lines += [
+        "",
+        f"- speedup over static sequential: **{c.speedup_vs_sequential:.2f}×**",
+        f"- speedup over the best static split ({c.best_split.label}): "
+        f"**{c.speedup_vs_best_split:.2f}×**",
+        f"- manifests (sample ids, micro-batches, update order) identical: "
+        f"**{yes[c.manifests_equal]}**",
+        f"- rewards identical: {yes[c.rewards_equal]}; trainer checksums identical "
+        f"(bitwise parameters and optimizer state): {yes[c.checksums_equal]}",
+        "",
+        "| step | reward | loss | checksum |",
+        "|---|---|---|---|",
+    ]
+    for s in c.dynarl.steps:
+        lines.append(f"| {s.step} | {s.mean_reward:.3f} | {s.loss:.5f} | {s.checksum[:12]} |")
+    lines += ["", f"run directory: {run_dir}"]
+    if total_s is not None:
+        lines.append(f"whole demo: {total_s:.0f} s")
+    return "\n".join(lines)
+
+
+class LiveView:
+    """The live display (rich): the run in progress, its step, episodes, micro-batches
+    learned and devices per component; plain log lines when disabled or not a terminal."""
+
+    def __init__(self, config: Any, *, enabled: bool = True) -> None:
+        from rich.console import Console
+
+        self.config = config
+        self.console = Console()
+        self.enabled = enabled and self.console.is_terminal
+        self._live: Any = None
+        self._title = ""
+        self._last: Any = None
+        self._began = time.perf_counter()
+
+    def __enter__(self) -> LiveView:
+        if self.enabled:
+            from rich.live import Live
+
+            self._live = Live(self._render(), console=self.console, refresh_per_second=8)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(None, None, None)
+            self._live = None
+
+    def note(self, title: str) -> None:
+        """A new phase of the demo (a run starts)."""
+        self._title, self._last, self._began = title, None, time.perf_counter()
+        if self._live is None:
+            self.console.print(f"[bold]{title}[/bold]")
+        else:
+            self._live.update(self._render())
+
+    def update(self, label: str, progress: Any) -> None:
+        """A run's progress changed (called from the driver)."""
+        self._last = progress
+        if self._live is not None:
+            self._live.update(self._render())
+
+    def _render(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title=f"dynarl demo — {self._title}", expand=False)
+        for column in ("step", "phase", "episodes", "learned", "devices", "elapsed"):
+            table.add_column(column)
+        p = self._last
+        elapsed = f"{time.perf_counter() - self._began:.1f} s"
+        if p is None:
+            table.add_row("—", "starting", "", "", "", elapsed)
+            return table
+        devices = "  ".join(f"{name}: {devs}" for name, devs in sorted(p.allocation.items()))
+        table.add_row(
+            f"{p.step + 1}/{self.config.num_steps}",
+            p.phase,
+            f"{p.done}/{p.total}",
+            f"{p.learned}/{p.num_micros}",
+            devices,
+            elapsed,
+        )
+        return table
+
+
+def _argv_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dynarl demo", description=__doc__)
+    add_arguments(parser)
+    return main(parser.parse_args(argv))
+
+
 if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1:]))
+    sys.exit(_argv_main())

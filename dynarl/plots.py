@@ -12,7 +12,11 @@ matplotlib only when a chart is drawn, selecting the Agg backend (no display nee
 - :func:`predicted_vs_measured`: one panel per component, a prediction against what was
   measured (throughput over time);
 - :func:`parity_chart`: predicted against realised values with the ``y = x`` line (one
-  point per move).
+  point per move);
+- :func:`allocation_timelines`: one allocation timeline panel per run, on a shared time
+  axis (the demo's dynarl-versus-static figure);
+- :func:`line_panels`: one panel per quantity, one line per run in each (reward and loss
+  per step of several runs).
 
 Components get stable colours by name (:data:`COLORS`, then a fixed cycle). Raises
 ValueError when series lengths disagree.
@@ -29,8 +33,10 @@ from typing import Any
 __all__ = [
     "COLORS",
     "allocation_timeline",
+    "allocation_timelines",
     "color_of",
     "line_chart",
+    "line_panels",
     "parity_chart",
     "predicted_vs_measured",
 ]
@@ -199,4 +205,71 @@ def parity_chart(
         ax.set_xlabel(f"predicted ({unit})")
         ax.set_ylabel(f"realised ({unit})")
         ax.set_title(title)
+    return Path(path)
+
+
+def allocation_timelines(
+    path: str | Path,
+    runs: Mapping[str, tuple[Sequence[float], Mapping[str, Sequence[float]], Sequence[float]]],
+    *,
+    title: str = "",
+    ylabel: str = "devices",
+) -> Path:
+    """One panel per ``runs[label] = (times, devices per component, marks)`` (stacked steps
+    as in :func:`allocation_timeline`), every panel on the same time axis."""
+    rows = max(1, len(runs))
+    end = max((ts[-1] for ts, _, _ in runs.values() if ts), default=1.0)
+    with _figure(path, rows=rows, size=(9.0, 2.4)) as (fig, axes):
+        for ax, (label, (times, devices, marks)) in zip(axes, runs.items(), strict=False):
+            for name, counts in devices.items():
+                _check(f"{label}/{name}", times, counts)
+            if times:
+                xs = [*times, max(end, times[-1]) + 0.02 * max(end, 1.0)]
+                names = list(devices)
+                ax.stackplot(
+                    xs,
+                    *[[*devices[n], devices[n][-1]] for n in names],
+                    labels=names,
+                    colors=[color_of(n) for n in names],
+                    step="post",
+                )
+                ax.set_xlim(0.0, xs[-1])
+                ax.legend(loc="upper right", fontsize="small", ncol=max(1, len(names)))
+            for mark in marks:
+                ax.axvline(mark, color="black", linewidth=0.6, linestyle=":")
+            ax.set_ylabel(ylabel)
+            ax.set_title(label, fontsize="medium")
+        axes[-1].set_xlabel("time (s)")
+        fig.suptitle(title)
+    return Path(path)
+
+
+def line_panels(
+    path: str | Path,
+    panels: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]],
+    *,
+    xlabel: str = "step",
+    title: str = "",
+) -> Path:
+    """One panel per ``panels[quantity]``, one line per ``panels[quantity][run] = (xs,
+    ys)``; the panel's y label is the quantity."""
+    rows = max(1, len(panels))
+    with _figure(path, rows=rows, size=(9.0, 2.6)) as (fig, axes):
+        for ax, (quantity, series) in zip(axes, panels.items(), strict=False):
+            for index, (name, (xs, ys)) in enumerate(series.items()):
+                _check(f"{quantity}/{name}", xs, ys)
+                ax.plot(
+                    xs,
+                    ys,
+                    label=name,
+                    color=color_of(name),
+                    marker="ox^sv"[index % 5],
+                    linestyle="-" if index == 0 else "--",
+                    alpha=0.9,
+                )
+            ax.set_ylabel(quantity)
+            if series:
+                ax.legend(loc="best", fontsize="small")
+        axes[-1].set_xlabel(xlabel)
+        fig.suptitle(title)
     return Path(path)

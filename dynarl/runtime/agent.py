@@ -100,6 +100,7 @@ class WorkerAgent:
         self._store_lock = threading.Lock()
         self._in_flight = 0
         self._completed = 0
+        self._shared: dict[str, Any] = {}
         self._metrics: tuple[str, BusClient] | None = None
         self._curve = curve
         self._client = BusClient(
@@ -164,6 +165,7 @@ class WorkerAgent:
             compute=self._compute,
             store=self._get_store,
             backend=self._client,
+            shared=self._shared,
         )
 
     def _get_store(self) -> Store:

@@ -18,7 +18,7 @@ import msgspec
 
 from dynarl.bus.messages import GenerationRequest, MetaValue, Sample, pack_tokens, unpack_tokens
 from dynarl.migrate.workload import PartialRequest
-from dynarl.runtime.wire import FINISH, PROMPT_LEN, RESUMED
+from dynarl.runtime.wire import FINISH, PROMPT_LEN, RESUMED, VERSIONS
 from dynarl.sched.graph import Affinity
 from dynarl.sched.router import RoutedItem
 
@@ -26,6 +26,13 @@ __all__ = ["Item", "Progress"]
 
 Item = GenerationRequest | Sample
 """What a serving component takes."""
+
+
+def _join(done: str, more: MetaValue) -> str:
+    """Version runs of tokens so far followed by those of a newer output."""
+    if not isinstance(more, str) or not more:
+        return done
+    return f"{done},{more}" if done else more
 
 
 def _int(value: MetaValue) -> int:
@@ -46,6 +53,8 @@ class Progress:
     """Their log-probabilities, packed float32."""
     resumed: int = 0
     """Partial outputs absorbed so far."""
+    versions: str = ""
+    """Weight versions of the tokens generated so far (``VERSIONS`` text), when told."""
     failures: int = 0
     """Requests for it that failed (worker lost, deadline)."""
 
@@ -94,6 +103,7 @@ class Progress:
             return None  # nothing partial to keep: the original item runs again
         self.generated.extend(unpack_tokens(result.token_ids)[result.prompt_len :].tolist())
         self.logprobs += result.logprobs
+        self.versions = _join(self.versions, result.metadata.get(VERSIONS))
         self.resumed += 1
         if len(self.generated) < original.max_new_tokens:
             return None
@@ -110,14 +120,17 @@ class Progress:
         prompt = unpack_tokens(original.token_ids)
         generated, logprobs = list(self.generated), self.logprobs
         meta: dict[str, MetaValue] = dict(original.metadata)
-        reward, version = None, 0
+        reward, version, versions = None, 0, self.versions
         if result is not None:
             generated += unpack_tokens(result.token_ids)[result.prompt_len :].tolist()
             logprobs += result.logprobs
             meta.update(result.metadata)
             reward, version = result.reward, result.policy_version
+            versions = _join(versions, result.metadata.get(VERSIONS))
         meta.pop(PROMPT_LEN, None)
         meta[RESUMED] = self.resumed
+        if versions:
+            meta[VERSIONS] = versions
         return Sample(
             sample_id=original.sample_id,
             token_ids=pack_tokens([*prompt.tolist(), *generated]),

@@ -188,6 +188,7 @@ class RoleContext:
         compute: ComputeThread,
         store: Callable[[], Store],
         backend: ChannelBackend,
+        shared: dict[str, Any] | None = None,
     ) -> None:
         self.component = component
         """The component this role belongs to."""
@@ -199,6 +200,9 @@ class RoleContext:
         """The component's options, as its spec declares them."""
         self.epoch = epoch
         """Layout epoch to name the groups of the initial layout."""
+        self.shared: dict[str, Any] = shared if shared is not None else {}
+        """Objects shared by every role of this worker process (one dict per worker): a
+        colocated trainer leaves the weights its sleeping rollout engine loads on waking."""
         self._compute = compute
         self._store = store
         self._backend = backend

@@ -23,6 +23,7 @@ output says so in its metadata (:data:`FINISH`). Pure data; runs anywhere.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final
 
 import msgspec
@@ -36,6 +37,7 @@ __all__ = [
     "PROMPT_LEN",
     "PROTOCOL",
     "RESUMED",
+    "VERSIONS",
     "AbortInflight",
     "Activate",
     "Call",
@@ -49,6 +51,8 @@ __all__ = [
     "SaveState",
     "Shutdown",
     "StepResult",
+    "decode_versions",
+    "encode_versions",
     "pack",
     "unpack",
 ]
@@ -62,6 +66,32 @@ PROMPT_LEN: Final = "prompt_len"
 when an aborted generation is resumed with its partial output appended to the prompt)."""
 RESUMED: Final = "resumed"
 """Sample metadata key: how many times its generation was aborted and resumed."""
+VERSIONS: Final = "versions"
+"""Sample metadata key: the weight version of every generated token, run-length encoded
+(:func:`encode_versions`); the dispatcher joins those of a generation's partial outputs,
+so a request aborted and resumed across a weight sync shows both versions."""
+
+
+def encode_versions(versions: Sequence[int]) -> str:
+    """``[3, 3, 4]`` as ``"3*2,4*1"`` (empty for no tokens)."""
+    runs: list[list[int]] = []
+    for version in versions:
+        if runs and runs[-1][0] == version:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(version), 1])
+    return ",".join(f"{v}*{n}" for v, n in runs)
+
+
+def decode_versions(text: str) -> list[int]:
+    """The per-token versions of :func:`encode_versions` text; ValueError if malformed."""
+    out: list[int] = []
+    for run in filter(None, text.split(",")):
+        version, sep, count = run.partition("*")
+        if not sep or not count.isdigit():
+            raise ValueError(f"bad version run {run!r} in {text!r}")
+        out += [int(version)] * int(count)
+    return out
 
 
 class Activate(msgspec.Struct, tag=True, frozen=True, kw_only=True):

@@ -1,44 +1,108 @@
-"""The demo's components do real work; the whole demo runs and stops what it starts."""
+"""The demo's outputs: the side-by-side summary, the run directory, the figures.
+
+The runs are built by hand here (the real job runs under tests/dist and in the slow test
+at the bottom, which runs ``dynarl demo`` itself).
+"""
 
 from __future__ import annotations
 
-import math
-import re
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-import torch
 
-from dynarl import ComponentKind
-from dynarl.bus import ChannelTable, unpack_tokens
-from dynarl.demo import BATCH, NEW_TOKENS, PROMPT, VOCAB, ToyRollout, ToyTrainer
+from dynarl.backends.reference import RunPlan, Schedule, StepReport
+from dynarl.backends.reference.experiment import RunResult, compare
+from dynarl.demo import format_summary, write_run_dir
 
 
-def test_rollout_samples_and_trainer_steps_are_real_torch_work() -> None:
-    assert ToyRollout.spec.kind is ComponentKind.ROLLOUT
-    assert ToyTrainer.spec.kind is ComponentKind.TRAINER
-    table = ChannelTable()
-    samples = ToyRollout(0, table)._generate(0)
-    assert len(samples) == BATCH
-    for sample in samples:
-        tokens = unpack_tokens(sample.token_ids)
-        assert len(tokens) == PROMPT + NEW_TOKENS and 0 <= tokens.min() and tokens.max() < VOCAB
-        assert sample.reward is not None and 0.0 <= sample.reward <= 1.0
-    trainer = ToyTrainer(0, table)
-    before = [p.detach().clone() for p in trainer._policy.parameters()]  # type: ignore[attr-defined]
-    loss = trainer._step(samples)
-    after = list(trainer._policy.parameters())  # type: ignore[attr-defined]
-    assert math.isfinite(loss)
-    assert any(not torch.equal(b, a) for b, a in zip(before, after, strict=True))
+def step(
+    index: int, *, wall: float, checksum: str = "c", ids: tuple[str, ...] = ("1", "2")
+) -> StepReport:
+    return StepReport(
+        step=index,
+        mean_reward=0.25 * index,
+        rewards=(0.0, 0.5 * index),
+        loss=0.1 / (index + 1),
+        kl=0.0,
+        grad_norm=1.0,
+        version=index + 1,
+        checksum=f"{checksum}{index}",
+        manifest=ids,
+        micro_sizes=(len(ids),),
+        wall_s=wall,
+        rollout_s=wall / 2,
+        learned_early=1 if checksum == "d" else 0,
+        resumed=0,
+        turns=len(ids),
+        mean_response_tokens=10.0,
+        max_response_tokens=20,
+        phases={"rollout": wall / 2, "learn": wall / 4},
+    )
+
+
+def run(label: str, plan: RunPlan, wall: float, tmp: Path, **kw: object) -> RunResult:
+    directory = tmp / label.replace("/", "-")
+    directory.mkdir()
+    (directory / "events.jsonl").write_text(json.dumps({"type": "X", "time": 1.0}) + "\n")
+    return RunResult(
+        label=label,
+        plan=plan,
+        steps=tuple(step(i, wall=wall / 2, **kw) for i in range(2)),  # type: ignore[arg-type]
+        wall_s=wall,
+        timeline=((0.0, {"rollout": 2, "trainer": 0}), (1.0, {"rollout": 1, "trainer": 1})),
+        step_starts=(0.0, wall / 2),
+        scheduler_moves=2 if label == "dynarl" else 0,
+        migrations=4,
+        pause_s=0.5,
+        reshards_verified=2,
+        run_dir=str(directory),
+    )
+
+
+def test_summary_and_run_directory(tmp_path: Path) -> None:
+    dynarl = run("dynarl", RunPlan(schedule=Schedule.DYNARL), 8.0, tmp_path)
+    seq = run("sequential", RunPlan(schedule=Schedule.SEQUENTIAL), 10.0, tmp_path)
+    split = run("split-1/1", RunPlan(schedule=Schedule.SPLIT), 9.0, tmp_path)
+    comparison = compare(dynarl, seq, [split])
+    assert comparison.speedup_vs_sequential == pytest.approx(1.25)
+    assert comparison.speedup_vs_best_split == pytest.approx(1.125)
+    assert comparison.manifests_equal and comparison.rewards_equal
+    text = format_summary(comparison, run_dir=tmp_path)
+    assert "speedup over static sequential: **1.25×**" in text
+    assert "best static split (split-1/1): **1.12×**" in text
+    assert "identical: **yes**" in text
+    out = tmp_path / "out"
+    out.mkdir()
+    write_run_dir(out, comparison)
+    for name in ("events.jsonl", "timeline.png", "curves.png", "summary.md", "steps.json"):
+        assert (out / name).stat().st_size > 0, name
+    runs = {json.loads(line)["run"] for line in (out / "events.jsonl").read_text().splitlines()}
+    assert runs == {"dynarl", "sequential", "split-1/1"}
+
+
+def test_a_different_manifest_is_reported(tmp_path: Path) -> None:
+    dynarl = run("dynarl", RunPlan(schedule=Schedule.DYNARL), 8.0, tmp_path, ids=("2", "1"))
+    seq = run("sequential", RunPlan(schedule=Schedule.SEQUENTIAL), 10.0, tmp_path)
+    split = run("split-1/1", RunPlan(schedule=Schedule.SPLIT), 9.0, tmp_path)
+    comparison = compare(dynarl, seq, [split])
+    assert not comparison.manifests_equal
+    assert "identical: **NO**" in format_summary(comparison, run_dir=tmp_path)
 
 
 @pytest.mark.slow
-def test_the_demo_runs_and_stops_every_process() -> None:
-    command = [sys.executable, "-m", "dynarl.cli", "demo", "--duration", "8", "--workers", "2"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
-    assert "stopped all 4 processes this demo started" in out
-    done = {m[0]: int(m[1].replace(",", "")) for m in re.findall(r"(\w+) .* done ([\d,]+)", out)}
-    assert done["rollout"] > 0 and done["trainer"] > 0, out
+def test_the_demo_runs_every_schedule_and_writes_its_run_directory(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "-m", "dynarl.cli", "demo", "--no-live", "--steps", "2",
+        "--prompts", "8", "--out", str(tmp_path),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "manifests (sample ids, micro-batches, update order) identical: **yes**" in (
+        result.stdout
+    )
+    (run_dir,) = tmp_path.glob("demo-*")
+    for name in ("events.jsonl", "timeline.png", "curves.png", "summary.md"):
+        assert (run_dir / name).exists(), name

@@ -9,15 +9,37 @@
   deterministic mode) and GRPO's math (:func:`group_advantages`, :func:`policy_loss`);
 * tasks: :class:`ChainSumTask` (heavy-tailed single turn), :class:`ToolCalcTask`
   (multi-turn with the calculator), :class:`CharTokenizer`;
-* :func:`run_grpo`: the whole job in one process.
+* :func:`run_grpo`: the whole job in one process;
+* runtime roles: :class:`ReferenceRollout`, :class:`ReferenceInference`,
+  :class:`ReferenceTools`, :class:`ReferenceTrainer` (streamed GRPO steps, P2P
+  resharding, weight sync planned by ``dynarl.migrate``), configured by one
+  :class:`ReferenceSetup`; :class:`GRPODriver` runs GRPO on a ``dynarl.Job`` under a
+  :class:`Schedule` (dynarl, static sequential, static split);
+* experiments: :func:`run_plan` runs the job once under a :class:`RunPlan` on a fresh
+  ``dynarl.Job``, :func:`compare` sets dynarl against the static schedules
+  (:class:`ExperimentConfig`, :class:`RunResult`, :class:`Comparison`) — what
+  ``dynarl demo`` and ``bench/e2e.py`` run.
 
 Importing this package imports Megatron-core (after applying the CPU shim).
 """
 
 from __future__ import annotations
 
+from dynarl.backends.reference.accumulate import GradientBook
 from dynarl.backends.reference.decoder import Decoder, DecoderRows
+from dynarl.backends.reference.driver import GRPODriver
 from dynarl.backends.reference.engine import EngineConfig, RolloutEngine
+from dynarl.backends.reference.episodes import Episodes, ToolCall
+from dynarl.backends.reference.experiment import (
+    Comparison,
+    ExperimentConfig,
+    RunResult,
+    compare,
+    plans,
+    prepare_setup,
+    profiles_from,
+    run_plan,
+)
 from dynarl.backends.reference.grpo import (
     GRPOConfig,
     PolicyLoss,
@@ -29,14 +51,23 @@ from dynarl.backends.reference.grpo import (
     policy_loss,
 )
 from dynarl.backends.reference.kvcache import KVPool, KVPoolShape
+from dynarl.backends.reference.learner import ReferenceTrainer
 from dynarl.backends.reference.logprob import LogProbWorker
 from dynarl.backends.reference.model import (
     GPTConfig,
     ParallelGPT,
     ParamShard,
     check_full_state,
+    local_world,
     param_layout,
     solo_process_group,
+)
+from dynarl.backends.reference.plan import (
+    DriverProgress,
+    RunPlan,
+    Schedule,
+    StepReport,
+    reference_components,
 )
 from dynarl.backends.reference.prefix_cache import PrefixCache, PrefixMatch
 from dynarl.backends.reference.request import (
@@ -50,6 +81,18 @@ from dynarl.backends.reference.request import (
 )
 from dynarl.backends.reference.rollout import RolloutConfig, Sample, collect_rollouts
 from dynarl.backends.reference.sampling import sample_tokens, sampling_uniform
+from dynarl.backends.reference.serving import (
+    PriorityRequestQueue,
+    ReferenceInference,
+    ReferenceRollout,
+    ReferenceTools,
+)
+from dynarl.backends.reference.setup import (
+    ReferenceSetup,
+    load_weights_file,
+    save_weights_file,
+    warm_start,
+)
 from dynarl.backends.reference.smoke import (
     SmokeConfig,
     SmokeResult,
@@ -74,21 +117,32 @@ from dynarl.backends.reference.trainer import (
     TrainerState,
     state_checksum,
 )
+from dynarl.backends.reference.weights import (
+    param_specs,
+    sync_plan,
+    trainer_state_layout,
+)
 
 __all__ = [
     "Calculator",
     "ChainSumTask",
     "CharTokenizer",
+    "Comparison",
     "Decoder",
     "DecoderRows",
+    "DriverProgress",
     "EngineConfig",
     "EngineStats",
+    "Episodes",
+    "ExperimentConfig",
     "FifoQueue",
     "FinishReason",
     "GPTConfig",
     "GRPOConfig",
+    "GRPODriver",
     "GenerationOutput",
     "GenerationRequest",
+    "GradientBook",
     "KVPool",
     "KVPoolShape",
     "LogProbWorker",
@@ -98,17 +152,28 @@ __all__ = [
     "PolicyLoss",
     "PrefixCache",
     "PrefixMatch",
+    "PriorityRequestQueue",
     "Problem",
+    "ReferenceInference",
+    "ReferenceRollout",
+    "ReferenceSetup",
+    "ReferenceTools",
+    "ReferenceTrainer",
     "RequestQueue",
     "RolloutConfig",
     "RolloutEngine",
+    "RunPlan",
+    "RunResult",
     "Sample",
+    "Schedule",
     "SmokeConfig",
     "SmokeResult",
     "StepRecord",
+    "StepReport",
     "StepStats",
     "Task",
     "ToolCalcTask",
+    "ToolCall",
     "ToolLatency",
     "ToolResult",
     "ToolWorker",
@@ -118,18 +183,31 @@ __all__ = [
     "TrainerState",
     "check_full_state",
     "collect_rollouts",
+    "compare",
     "environment_mask",
     "group_advantages",
     "kl_k3",
+    "load_weights_file",
+    "local_world",
     "make_task",
     "pad_samples",
     "param_layout",
+    "param_specs",
     "per_target",
+    "plans",
     "policy_loss",
+    "prepare_setup",
+    "profiles_from",
+    "reference_components",
     "run_grpo",
+    "run_plan",
     "sample_tokens",
     "sampling_uniform",
+    "save_weights_file",
     "sft_samples",
     "solo_process_group",
     "state_checksum",
+    "sync_plan",
+    "trainer_state_layout",
+    "warm_start",
 ]

@@ -46,6 +46,7 @@ __all__ = [
     "ParallelGPT",
     "ParamShard",
     "check_full_state",
+    "local_world",
     "param_layout",
     "solo_process_group",
 ]
@@ -359,6 +360,18 @@ def check_full_state(config: GPTConfig, state: dict[str, torch.Tensor]) -> None:
                 f"{shard.name} has shape {tuple(state[shard.name].shape)}, "
                 f"expected {shard.full_shape}"
             )
+
+
+def local_world() -> None:
+    """Give this process a one-rank default process group if it has none (idempotent).
+
+    Megatron reads the default group; a runtime worker builds its real groups explicitly
+    over the job's store and needs only this local stand-in (an in-memory store, no
+    network). Runs on the worker's compute thread.
+    """
+    if not dist.is_initialized():
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 
 
 @contextlib.contextmanager

@@ -239,6 +239,84 @@ class Trainer:
             grad_norm=grad_norm,
         )
 
+    # ------------------------------------------------------------------ streamed steps
+    def micro_gradient(self, micro: Sequence[TrainSample], *, num_samples: int) -> torch.Tensor:
+        """The gradient row of one micro-batch of a streamed GRPO step (local, no collective).
+
+        The row is the flat gradient followed by (loss, kl, clip fraction), all under the
+        sequence-mean normalisation of GRPO: each sample's token losses are averaged over
+        its policy tokens and the step's loss is their sum over the ``num_samples``
+        samples of the whole step, divided by ``num_samples``. That normaliser is known
+        before any sample is generated, so a micro-batch's row can be computed as soon as
+        the micro-batch is complete, on any rank, in any order; the step is the sum of the
+        rows in micro-batch order (:meth:`apply_gradient`). The weights must not change
+        between the rows of one step. Raises ValueError on an empty micro-batch, a
+        non-positive ``num_samples``, or missing reference log-probs with ``kl_coef > 0``.
+        """
+        if not micro or num_samples < 1:
+            raise ValueError("micro_gradient needs samples and num_samples >= 1")
+        if self.config.grpo.kl_coef > 0 and any(s.ref_logprobs is None for s in micro):
+            raise ValueError("kl_coef > 0 needs ref_logprobs on every sample")
+        self.optimizer.zero_grad(set_to_none=True)
+        scalars = self._backward(micro, self._sequence_mean_loss, float(num_samples))
+        row = torch.cat([self._flat_grads(), scalars])
+        self.optimizer.zero_grad(set_to_none=True)
+        return row
+
+    def apply_gradient(
+        self, total: torch.Tensor, *, num_samples: int, num_tokens: int
+    ) -> StepStats:
+        """One optimizer step with ``total``, the sum of a step's micro-batch rows (every
+        rank passes the same sum); clips as :meth:`train_step` does. Raises ValueError on
+        a row of the wrong size."""
+        if total.shape != (self._numel + _NUM_SCALARS,):
+            raise ValueError(f"gradient row has shape {tuple(total.shape)}, expected one flat row")
+        self._set_grads(total[: self._numel])
+        grad_norm = self._grad_norm()
+        if self.config.max_grad_norm is not None and grad_norm > self.config.max_grad_norm:
+            scale = self.config.max_grad_norm / (grad_norm + 1e-6)
+            for param in self._params:
+                assert param.grad is not None
+                param.grad.mul_(scale)
+        self.optimizer.step()
+        self.version += 1
+        loss, kl, clipped = total[self._numel :].tolist()
+        return StepStats(
+            version=self.version,
+            loss=loss,
+            kl=kl,
+            clip_fraction=clipped,
+            num_tokens=num_tokens,
+            num_samples=num_samples,
+            grad_norm=grad_norm,
+        )
+
+    @property
+    def row_size(self) -> int:
+        """Length of a gradient row (parameters plus the three scalars)."""
+        return self._numel + _NUM_SCALARS
+
+    def _sequence_mean_loss(
+        self, model: ParallelGPT, micro: Sequence[TrainSample], num_samples: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, mask = pad_samples(micro)
+        per_sample = mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+        weights = mask / (per_sample * num_samples)
+        logp = model.token_logprobs(tokens, temperature=self.config.temperature)
+        old = per_target(micro, "old_logprobs", logp.detach())
+        ref = per_target(micro, "ref_logprobs", logp.detach())
+        advantages = torch.tensor([sample.advantage for sample in micro], dtype=torch.float32)
+        out = policy_loss(
+            logp,
+            old,
+            advantages,
+            weights,
+            config=self.config.grpo,
+            normalizer=1.0,
+            ref_logprobs=ref,
+        )
+        return out.loss, torch.stack([out.loss.detach(), out.kl, out.clipped])
+
     def _backward(
         self, micro: Sequence[TrainSample], loss_fn: _LossFn, normalizer: float
     ) -> torch.Tensor:
