@@ -25,7 +25,7 @@ import logging
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 
@@ -298,7 +298,8 @@ class Job:
             moves=moves,
         )
         outcome = await self._controller.coordinator.execute(command, lease_s=lease_s)
-        self._controller.post(outcome)
+        # Not the scheduler's command: it takes the allocation as in force, ends no move of its own.
+        self._controller.post(replace(outcome, external=True))
         return outcome
 
     def operator(self, action: str, reason: str = "operator") -> None:

@@ -11,14 +11,21 @@ uninterrupted generation would have produced.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from dynarl.bus import DecisionRecord, GenerationRequest, MigrationRecord, Sample, pack_tokens
-from dynarl.bus import unpack_tokens
+from dynarl.bus import (
+    DecisionRecord,
+    GenerationRequest,
+    MigrationRecord,
+    Sample,
+    pack_tokens,
+    unpack_tokens,
+)
 from dynarl.runtime import ComponentSpec, Fault, FaultAction, Job, JobConfig, RuntimeConfig
 from dynarl.runtime.wire import RESUMED
 from dynarl.sched import ComponentProfile, ProfilePoint, SchedulerConfig
@@ -129,7 +136,10 @@ def test_the_scheduler_moves_a_tailing_rollout_device_to_the_trainer(tmp_path: P
     assert sums[0] == TinyTrainer.replay(trainer_options, batches)["checksum"]
 
 
-def test_each_migration_kind_commits_and_failures_roll_back(tmp_path: Path) -> None:
+def test_each_migration_kind_commits_and_failures_roll_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="dynarl.sched")
     config = JobConfig(
         run_dir=str(tmp_path),
         runtime=RuntimeConfig(scheduler=SchedulerConfig(observe_only=True)),
@@ -216,3 +226,11 @@ def test_each_migration_kind_commits_and_failures_roll_back(tmp_path: Path) -> N
     assert job.allocation.as_dict() == {"rollout": [0, 1], "shadow": [3], "trainer": [2]}
     recorded = job.ledger.query(kind="migration")
     assert len(recorded) == 12 and all(isinstance(r, MigrationRecord) for r in recorded)
+    # The scheduler took each operator move as external: in force, and no move of its own.
+    external = [r for r in caplog.records if r.getMessage().startswith("external move op")]
+    assert len(external) == 7
+    assert not [
+        r
+        for r in caplog.records
+        if r.name.startswith("dynarl.sched") and r.levelno >= logging.WARNING
+    ]

@@ -78,3 +78,11 @@ def test_the_reference_grpo_example_trains() -> None:
     steps = re.findall(r"^step +(\d+) +reward (\d\.\d+)", out, re.MULTILINE)
     assert len(steps) >= 2, out
     assert out.startswith("warm-up loss") and "generated" in out.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_the_grpo_loop_on_the_runtime_steps_and_writes_its_ledger() -> None:
+    out = run(str(EXAMPLES / "grpo_loop.py"), "2", timeout=600)
+    steps = re.findall(r"^step (\d+): reward (\d\.\d+) +loss ([+-]\d\.\d+)", out, re.MULTILINE)
+    assert [int(s) for s, _, _ in steps] == [0, 1], out
+    assert re.search(r"^ledger: \d+ records in .*events\.jsonl$", out, re.MULTILINE), out
