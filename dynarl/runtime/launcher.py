@@ -77,6 +77,8 @@ class LocalLauncher:
         out: IO[bytes] | int = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
+            if (previous := self._logs.pop(device, None)) is not None:
+                previous.close()  # a worker started again: its log continues
             out = self._logs[device] = (self.log_dir / f"worker-{device}.log").open("ab")
         proc = subprocess.Popen(command, env=self.env, stdout=out, stderr=subprocess.STDOUT)
         self._procs[device] = proc
