@@ -294,7 +294,7 @@ class DurableRun:
     async def recover(self, outcome: MoveOutcome | None = None) -> Recovery:
         """Start dead workers again and reactivate the serving roles that lived there;
         whether a trainer must be restored (a rank of it died, or ``outcome`` — the
-        last move's — left a migration failed).
+        last move's — left a trainer's migration failed).
 
         Raises WorkerError / TimeoutError as :meth:`Job.respawn` does.
         """
@@ -303,7 +303,10 @@ class DurableRun:
         allocation = controller.allocation
         lost = any(set(allocation.devices(t)) & set(respawned) for t in self.config.trainers)
         if outcome is not None:
-            lost = lost or any(r.outcome == "failed" for r in outcome.records)
+            trainers = self.config.trainers
+            lost = lost or any(
+                r.outcome == "failed" and r.component in trainers for r in outcome.records
+            )
         for name, manager in controller.managers.items():
             if name in self.config.trainers:
                 continue
