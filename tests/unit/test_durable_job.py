@@ -55,3 +55,19 @@ def test_durable_config_checks_its_fields() -> None:
         DurableConfig(source=source, num_keep=1)
     with pytest.raises(ValueError, match="trainers"):
         DurableConfig(source=source, trainers=())
+
+
+def test_a_workers_rng_file_puts_its_generators_back(tmp_path: Path) -> None:
+    import random
+
+    import torch
+
+    from dynarl.runtime import load_rng_file, save_rng_file
+
+    assert not load_rng_file(tmp_path, 3)
+    save_rng_file(tmp_path, 3)
+    expected = (random.random(), torch.rand(3))
+    random.random(), torch.rand(3)
+    assert load_rng_file(tmp_path, 3)
+    again = (random.random(), torch.rand(3))
+    assert again[0] == expected[0] and torch.equal(again[1], expected[1])
