@@ -36,7 +36,7 @@ from dynarl.runtime import (
 )
 from dynarl.sched import SchedulerConfig
 from dynarl.testing import ScriptedRollout, TinyTrainer, scripted_token
-from dynarl.types import MigrationKind
+from dynarl.types import Allocation, MigrationKind
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ BATCH = 4
 MAX_NEW = 24
 TRAINER = {"hidden": 16, "num_layers": 1, "group_timeout_s": 4.0}
 OUTCOMES = ("old", "new", "restore")
+BASE = Allocation.of({"rollout": [0, 1], "trainer": [2]})
+"""The allocation the job starts with."""
 
 
 def request(ticket: Ticket) -> GenerationRequest:

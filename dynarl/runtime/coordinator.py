@@ -43,6 +43,9 @@ __all__ = ["Coordinator", "plan_moves"]
 
 logger = logging.getLogger(__name__)
 
+_OUTCOMES_KEPT = 256
+"""Outcomes of executed commands kept to answer a repeated command."""
+
 
 def plan_moves(
     command: MigrationCommand,
@@ -240,6 +243,8 @@ class Coordinator:
             records=records,
         )
         self._done[command.decision_id] = outcome
+        while len(self._done) > _OUTCOMES_KEPT:  # older commands are stale anyway
+            del self._done[next(iter(self._done))]
         logger.info("%s: %s", command.decision_id, "committed" if ok else f"failed: {reason}")
         return outcome
 

@@ -189,6 +189,11 @@ def test_every_phase_and_participant_killed(tmp_path: Path, kind: MigrationKind)
 
 
 def test_dropped_duplicated_and_reordered_control_messages(tmp_path: Path) -> None:
+    run_cases(tmp_path, MigrationKind.P2P, [MESSAGES[1], MESSAGES[3], MESSAGES[5]])
+
+
+@pytest.mark.slow
+def test_message_faults_at_every_phase(tmp_path: Path) -> None:
     run_cases(tmp_path, MigrationKind.P2P, MESSAGES)
 
 

@@ -1,10 +1,12 @@
 """Soak of the running system (marker ``slow``; DYNARL_SOAK_S seconds, 600 by default):
-the durable job of :mod:`fault_loop` trains step after step and moves device 1 between
-the rollout and the trainer at every step (a workload migration plus a P2P reshard every
-few seconds), with a checkpoint every five steps. After the warm-up the whole process
-tree (controller and workers) must grow by less than 1 MB/min, and file descriptors,
-sockets, processes and process groups must not grow while it runs; once the job is
-closed they are all back at their baseline from before it started.
+the durable job of :mod:`fault_loop` trains a step every DYNARL_SOAK_STEP_S seconds (1 by
+default) and moves device 1 between the rollout and the trainer every DYNARL_SOAK_MOVE_S
+seconds (3 by default: a workload migration plus a P2P reshard), with a checkpoint every
+five steps. After the warm-up the
+whole process tree (controller and workers) must grow by less than 1 MB/min, and file
+descriptors, sockets, processes and process groups must not grow while it runs (sampled
+on the starting allocation); once the job is closed they are all back at their baseline
+from before it started.
 
     DYNARL_SOAK_S=120 .venv/bin/python -m pytest -m slow tests/soak/test_migration_soak.py \\
         -o log_cli=true --log-cli-level=WARNING
@@ -27,6 +29,8 @@ from dynarl.runtime import DurableConfig, DurableRun, ManifestConfig
 pytestmark = pytest.mark.slow
 
 DURATION_S = float(os.environ.get("DYNARL_SOAK_S", "600"))
+MOVE_S = float(os.environ.get("DYNARL_SOAK_MOVE_S", "3"))
+STEP_S = float(os.environ.get("DYNARL_SOAK_STEP_S", "1"))
 
 
 @pytest.mark.timeout(DURATION_S + 400)
@@ -43,17 +47,22 @@ def test_migrations_every_few_seconds_do_not_grow(tmp_path: Path) -> None:
                 manifest=ManifestConfig(num_digests_kept=100),
             )  # fmt: skip
             run = await DurableRun(job, config).open()
-            began = time.monotonic()
+            began = moved = time.monotonic()
             every = DURATION_S / 60
             next_sample = began
             warm: ResourceSample | None = None
             while time.monotonic() - began < DURATION_S:
+                paced = asyncio.create_task(asyncio.sleep(STEP_S))
                 tickets = fault_loop.submit(job, run)
-                src, dst = ("rollout", "trainer") if run.step % 2 == 0 else ("trainer", "rollout")
-                outcome = await job.move([1], src=src, dst=dst)
-                moves.append(outcome.ok)
+                if time.monotonic() - moved >= MOVE_S:
+                    give = 1 in job.allocation.devices("rollout")
+                    src, dst = ("rollout", "trainer") if give else ("trainer", "rollout")
+                    moves.append((await job.move([1], src=src, dst=dst)).ok)
+                    moved = time.monotonic()
                 await run.train(await fault_loop.collect(job, tickets))
-                if time.monotonic() >= next_sample:
+                await paced
+                # Sampled on one allocation only: the trainer's groups differ between the two.
+                if time.monotonic() >= next_sample and job.allocation == fault_loop.BASE:
                     samples.append(probe.sample())
                     next_sample += every
                     if warm is None and time.monotonic() - began >= DURATION_S / 5:
@@ -61,6 +70,8 @@ def test_migrations_every_few_seconds_do_not_grow(tmp_path: Path) -> None:
             assert warm is not None
             report = run.report()
             assert report.ok, report.violations[:5]
+            if job.allocation != fault_loop.BASE:
+                await job.move([1], src="trainer", dst="rollout")
             return warm, probe.sample(), run.step
 
     warm, last, steps = asyncio.run(main())
