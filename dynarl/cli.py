@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_keys(commands)
     _add_demo(commands)
     _add_simulate(commands)
+    _add_events(commands)
     return parser
 
 
@@ -162,6 +163,56 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.json:
         doc = documents[0] if not args.sweep else {"sweep": key, "runs": documents}
         print(json.dumps(doc, indent=2))
+    return 0
+
+
+def _add_events(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    events = commands.add_parser(
+        "events",
+        help="summarise a run's ledger: moves, costs, gains, prediction error, rejections",
+        description="Read RUN_DIR/events.jsonl (or a ledger file) and print what the scheduler "
+        "did: moves by kind and component, predicted vs realised gain per move, prediction "
+        "error, migration bytes and pauses, cache loss, rejected plans by reason, time in "
+        "safe mode.",
+    )
+    events.add_argument("run_dir", metavar="RUN_DIR", help="run directory or ledger file")
+    events.add_argument("--json", action="store_true", help="print one JSON document instead")
+    events.add_argument(
+        "--plot",
+        metavar="DIR",
+        nargs="?",
+        const="",
+        help="draw allocation, utilization and throughput charts (default DIR: RUN_DIR/plots)",
+    )
+    events.set_defaults(handler=_events)
+
+
+def _events(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dynarl.sched import Ledger, format_summary, plot_ledger, summarise_ledger, summary_json
+
+    path = Path(args.run_dir)
+    ledger_path = path / "events.jsonl" if path.is_dir() else path
+    try:
+        ledger = Ledger.load(ledger_path)
+    except (OSError, ValueError) as err:
+        print(f"dynarl events: {err}", file=sys.stderr)
+        return 2
+    summary = summarise_ledger(ledger)
+    source = str(ledger_path)
+    print(
+        summary_json(summary, source=source)
+        if args.json
+        else format_summary(summary, source=source)
+    )
+    if args.plot is not None:
+        directory = Path(args.plot) if args.plot else ledger_path.parent / "plots"
+        paths = plot_ledger(ledger, directory, title=path.name)
+        print(
+            "plots: " + ", ".join(str(p) for p in paths),
+            file=sys.stderr if args.json else sys.stdout,
+        )
     return 0
 
 

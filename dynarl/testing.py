@@ -1,6 +1,9 @@
 """Test seams shipped for users: fakes, in-process transports, hypothesis strategies, and
 runtime components (:class:`ScriptedRollout`, :class:`TinyTrainer`).
 
+The hypothesis strategies of valid pipelines, allocations, reports, requests, hybrid
+contexts, layouts and workloads live in :mod:`dynarl.strategies` and are re-exported here.
+
 ``FakeSGLangServer`` and ``FakeSGLangConfig`` (a loopback fake of SGLang 0.5.23's HTTP API)
 are imported on first use, since they need the ``sglang`` extra (aiohttp).
 """
@@ -29,6 +32,16 @@ from dynarl.migrate.region import Shard
 from dynarl.runtime.role import RoleContext, RoleMetrics
 from dynarl.runtime.shardfile import load_shards, save_shards
 from dynarl.runtime.wire import FINISH
+from dynarl.strategies import (
+    allocations,
+    component_reports,
+    layouts,
+    pipelines,
+    queued_requests,
+    report_rounds,
+    schedule_contexts,
+    workloads,
+)
 from dynarl.types import ComponentKind
 
 if TYPE_CHECKING:
@@ -44,9 +57,17 @@ __all__: list[str] = [
     "ShadowTrainer",
     "TinyState",
     "TinyTrainer",
+    "allocations",
+    "component_reports",
+    "layouts",
     "message_strategy",
+    "pipelines",
+    "queued_requests",
+    "report_rounds",
+    "schedule_contexts",
     "scripted_token",
     "tiny_param_specs",
+    "workloads",
 ]
 
 _LAZY = {"FakeSGLangConfig", "FakeSGLangServer"}

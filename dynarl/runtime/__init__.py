@@ -8,7 +8,8 @@
 - worker side: :class:`WorkerAgent` (``python -m dynarl.runtime.worker``), roles hosted
   with a :class:`RoleContext`, the role protocols (:class:`Serving`, :class:`Reporting`,
   :class:`Reshardable`, :class:`Checkpointing`);
-- :class:`LocalLauncher`, :class:`PlannerCost`, fault injection (:class:`Fault`).
+- :class:`LocalLauncher`, :class:`PlannerCost`, fault injection (:class:`Fault`), the
+  Prometheus endpoint (:class:`MetricsExporter`).
 
 Durability and accounting (used by the controller):
 
@@ -49,6 +50,7 @@ from dynarl.runtime.manifest import (
 )
 from dynarl.runtime.moves import ComponentMove
 from dynarl.runtime.options import WorkerOptions
+from dynarl.runtime.prometheus import MetricsExporter
 from dynarl.runtime.records import (
     AllocationCommitted,
     CheckpointSaved,
@@ -110,6 +112,7 @@ __all__ = [
     "Manifest",
     "ManifestConfig",
     "ManifestReport",
+    "MetricsExporter",
     "MigrationBegun",
     "MigrationEnded",
     "MigrationStepped",

@@ -10,7 +10,9 @@ One process (the driver locally, rank 0 under torchrun) hosts, on one event loop
 - the **scheduler** coroutine on the real monotonic clock, fed with the managers'
   reports, ticks and move outcomes, writing every decision to the **ledger**;
 - the **coordinator**, the scheduler's command sink, with a
-  :class:`~dynarl.runtime.cost.PlannerCost` injected into the scheduler.
+  :class:`~dynarl.runtime.cost.PlannerCost` injected into the scheduler;
+- when ``RuntimeConfig.metrics_port`` is set, the **Prometheus endpoint**
+  (:class:`~dynarl.runtime.prometheus.MetricsExporter`, loopback by default).
 
 Use as ``async with Controller(...) as controller``; workers are started by someone else
 (the local launcher, torchrun). Runs on the controller's event loop.
@@ -39,11 +41,12 @@ from dynarl.runtime.durability import AllocationJournal
 from dynarl.runtime.faults import FaultInjector
 from dynarl.runtime.link import WorkerLink
 from dynarl.runtime.manager import GroupManager
+from dynarl.runtime.prometheus import MetricsExporter
 from dynarl.runtime.spec import ComponentSpec, RuntimeConfig
 from dynarl.runtime.wire import Done, Shutdown
 from dynarl.sched.events import MonotonicClock, SchedulerEvent, Tick
 from dynarl.sched.ledger import Ledger
-from dynarl.sched.predictor import RegressionPredictor
+from dynarl.sched.predictor import RegressionPredictor, ThroughputPredictor
 from dynarl.sched.scheduler import Scheduler
 from dynarl.types import Allocation
 
@@ -60,8 +63,10 @@ class Controller:
 
     ``store``: the job's store when a launcher already holds one (torchrun), else the
     controller hosts a TCPStore on loopback; ``bind`` and ``curve``: the bus server's
-    address and CURVE settings (required for a routable address). Raises ValueError for
-    components with clashing names or devices.
+    address and CURVE settings (required for a routable address); ``predictor``: the
+    scheduler's throughput predictor (None: a
+    :class:`~dynarl.sched.RegressionPredictor` over the components' profiles). Raises
+    ValueError for components with clashing names or devices.
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class Controller:
         store: Store | None = None,
         bind: str = "tcp://127.0.0.1:0",
         curve: CurveServer | None = None,
+        predictor: ThroughputPredictor | None = None,
     ) -> None:
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
@@ -91,10 +97,12 @@ class Controller:
         self._initial = initial
         self._kill, self._journal = kill, journal
         self._given_store, self._bind, self._curve = store, bind, curve
+        self._predictor = predictor
         self._events: asyncio.Queue[SchedulerEvent | None] = asyncio.Queue()
         self._stop = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self.metrics: MetricsExporter | None = None
         self.bus = BusConfig(
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             num_missed_heartbeats=self.config.num_missed_heartbeats,
@@ -149,6 +157,12 @@ class Controller:
             group.create_task(self.scheduler.run(self._event_stream(), self.coordinator)),
             group.create_task(self._tick()),
         ]
+        if self.config.metrics_port is not None:
+            # After the task group: a failure to bind is cleaned up by aclose().
+            self.metrics = MetricsExporter(
+                self.scheduler, host=self.config.metrics_host, port=self.config.metrics_port
+            )
+            await self.metrics.start()
         logger.info("controller listening on %s", self.address)
         return self
 
@@ -160,7 +174,9 @@ class Controller:
         self.scheduler = Scheduler(
             graph={name: spec.node() for name, spec in self.specs.items()},
             allocation=self._initial,
-            predictor=RegressionPredictor(profiles),
+            predictor=(
+                self._predictor if self._predictor is not None else RegressionPredictor(profiles)
+            ),
             cost=self.cost,
             clock=clock,
             config=self.config.scheduler,
@@ -206,6 +222,8 @@ class Controller:
                 await manager.aclose()
             await self.publisher.aclose()
             await self.server.aclose()
+            if self.metrics is not None:
+                await self.metrics.aclose()
             self.ledger.close()
             del self.store
 
@@ -301,5 +319,7 @@ class Controller:
     def _on_peer(self, event: PeerEvent) -> None:
         if event.event == "lost":
             logger.warning("peer %s lost", event.peer)
+        if self.metrics is not None:
+            self.metrics.peer_event(event.event)
         if getattr(self, "publisher", None) is not None:
             self.publisher.publish("peer", event)

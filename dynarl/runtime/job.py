@@ -49,11 +49,13 @@ from dynarl.runtime.launcher import LocalLauncher
 from dynarl.runtime.link import worker_name
 from dynarl.runtime.options import WorkerOptions
 from dynarl.runtime.progress import Item
+from dynarl.runtime.prometheus import MetricsExporter
 from dynarl.runtime.spec import ComponentSpec, RuntimeConfig
 from dynarl.runtime.wire import CallResult
 from dynarl.sched.decision import DeviceMove
 from dynarl.sched.events import MigrationCommand, MoveOutcome, OperatorCommand
 from dynarl.sched.ledger import Ledger
+from dynarl.sched.predictor import ThroughputPredictor
 from dynarl.sched.scheduler import Scheduler
 from dynarl.types import Allocation
 
@@ -88,8 +90,10 @@ class JobConfig:
 class Job:
     """A dynarl job embedded in the caller's event loop (see the module docstring).
 
-    Raises ValueError for bad component specs; entering raises WorkerError when a worker
-    process dies during start-up and TimeoutError when they do not all register in time.
+    ``predictor`` replaces the scheduler's default throughput predictor (a
+    :class:`~dynarl.sched.RegressionPredictor` over the components' profiles). Raises
+    ValueError for bad component specs; entering raises WorkerError when a worker process
+    dies during start-up and TimeoutError when they do not all register in time.
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class Job:
         config: JobConfig | None = None,
         *,
         journal: AllocationJournal | None = None,
+        predictor: ThroughputPredictor | None = None,
     ) -> None:
         if not components:
             raise ValueError("a job needs at least one component")
@@ -118,6 +123,7 @@ class Job:
             config=self.config.runtime,
             kill=self._kill,
             journal=journal,
+            predictor=predictor,
         )
         self._launcher = LocalLauncher(
             python=self.config.python,
@@ -222,6 +228,12 @@ class Job:
     def ledger(self) -> Ledger:
         """Every decision and migration record (also in ``run_dir/events.jsonl``)."""
         return self._controller.ledger
+
+    @property
+    def metrics(self) -> MetricsExporter | None:
+        """The Prometheus endpoint (``RuntimeConfig.metrics_port``), or None; feed it the
+        ``dynamic_resource/*`` metrics with ``record_cycle``."""
+        return self._controller.metrics
 
     @property
     def scheduler(self) -> Scheduler:

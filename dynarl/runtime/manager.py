@@ -93,6 +93,7 @@ class GroupManager:
                 max_inflight=spec.max_inflight,
                 item_timeout_s=config.item_timeout_s,
                 drain_timeout_s=config.drain_timeout_s,
+                policy=spec.request_policy,
             )
 
     # ------------------------------------------------------------------ life cycle

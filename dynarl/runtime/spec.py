@@ -21,6 +21,7 @@ from dynarl.runtime.faults import Fault
 from dynarl.sched.config import SchedulerConfig
 from dynarl.sched.graph import HyperNode
 from dynarl.sched.predictor import ComponentProfile
+from dynarl.sched.requests import RequestPolicy
 from dynarl.types import ComponentKind, MigrationKind
 
 __all__ = ["ComponentSpec", "RuntimeConfig"]
@@ -57,6 +58,9 @@ class ComponentSpec:
     """Items one worker serves at a time (serving components)."""
     keep_asleep: bool = True
     """Released roles sleep with their state (True) or are torn down (False)."""
+    request_policy: RequestPolicy | None = None
+    """Order of the items waiting for each worker (serving components; None: DynaRL's
+    priority — completed tool calls, then cached prefix — with bounded overtaking)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.role, type) and issubclass(self.role, WorkerGroup)):
@@ -163,6 +167,11 @@ class RuntimeConfig:
     """The decision plane's settings."""
     faults: tuple[Fault, ...] = ()
     """Faults to inject at named migration phases (tests)."""
+    metrics_port: int | None = None
+    """Port of the controller's Prometheus endpoint (None: none; 0: a free port; needs the
+    ``metrics`` extra)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds (loopback unless set: it has no authentication)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -185,6 +194,10 @@ class RuntimeConfig:
         if self.num_missed_heartbeats < 1 or self.channel_capacity < 1:
             raise ValueError(
                 "RuntimeConfig.num_missed_heartbeats and channel_capacity must be >= 1"
+            )
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(
+                f"RuntimeConfig.metrics_port must be in [0, 65535], got {self.metrics_port}"
             )
         if self.collective_timeout_s >= self.request_timeout_s:
             raise ValueError("RuntimeConfig.collective_timeout_s must be below request_timeout_s")

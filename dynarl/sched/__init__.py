@@ -22,6 +22,10 @@ from dynarl.sched.decision import (
     Resize,
     StaticMigrationCost,
 )
+from dynarl.sched.effects import (
+    MoveEffects,
+    Realised,
+)
 from dynarl.sched.events import (
     Clock,
     CommandSink,
@@ -62,6 +66,7 @@ from dynarl.sched.hybrid import (
 from dynarl.sched.ledger import (
     Ledger,
     LedgerRecord,
+    RecordKind,
 )
 from dynarl.sched.metrics import (
     DynamicResourceMetrics,
@@ -88,11 +93,20 @@ from dynarl.sched.predictor import (
     ThroughputPredictor,
     fit_power_law,
 )
+from dynarl.sched.records import (
+    ComponentObservation,
+    ObservationRecord,
+    SafeModeRecord,
+)
 from dynarl.sched.replicas import (
     HybridController,
     HybridReplicas,
     HybridState,
     StepTimings,
+)
+from dynarl.sched.report import (
+    format_summary,
+    summary_json,
 )
 from dynarl.sched.requests import (
     FifoPolicy,
@@ -109,6 +123,22 @@ from dynarl.sched.router import (
 )
 from dynarl.sched.scheduler import (
     Scheduler,
+)
+from dynarl.sched.series import (
+    LedgerSeries,
+    ledger_series,
+    plot_ledger,
+)
+from dynarl.sched.summary import (
+    ComponentUsage,
+    Distribution,
+    IterationSpan,
+    LedgerSummary,
+    MigrationStats,
+    MoveSummary,
+    SafeModeEpisode,
+    reason_category,
+    summarise_ledger,
 )
 from dynarl.sched.telemetry import (
     MetricsBuffer,
@@ -127,13 +157,16 @@ __all__ = [
     "ChannelUse",
     "Clock",
     "CommandSink",
+    "ComponentObservation",
     "ComponentProfile",
     "ComponentStats",
+    "ComponentUsage",
     "CostEstimate",
     "DataRouter",
     "Decision",
     "DefaultHybridPolicy",
     "DeviceMove",
+    "Distribution",
     "DonorSignal",
     "DynamicResourceMetrics",
     "DynamicScheduleContext",
@@ -151,22 +184,31 @@ __all__ = [
     "HyperEdge",
     "HyperNode",
     "Hypergraph",
+    "IterationSpan",
     "LeastAttainedServicePolicy",
     "Ledger",
     "LedgerRecord",
+    "LedgerSeries",
+    "LedgerSummary",
     "ManualClock",
     "MetricsBuffer",
     "MigrationCommand",
     "MigrationCost",
+    "MigrationStats",
     "MonotonicClock",
+    "MoveEffects",
     "MoveOutcome",
+    "MoveSummary",
     "Node",
+    "ObservationRecord",
     "OperatorCommand",
     "PredictorConfig",
     "PriorityPolicy",
     "ProfilePoint",
     "QueuedRequest",
     "QuotaChange",
+    "Realised",
+    "RecordKind",
     "RegressionPredictor",
     "Rejection",
     "RequestPolicy",
@@ -175,6 +217,8 @@ __all__ = [
     "RolloutUtilization",
     "RoutedItem",
     "Routing",
+    "SafeModeEpisode",
+    "SafeModeRecord",
     "Safety",
     "Scheduler",
     "SchedulerConfig",
@@ -194,14 +238,20 @@ __all__ = [
     "evaluate",
     "extract_graph",
     "fit_power_law",
+    "format_summary",
     "hold",
+    "ledger_series",
     "place",
+    "plot_ledger",
+    "reason_category",
     "register_policy",
     "registered_policies",
     "release_devices",
     "resource_utilization",
     "rollout_capacity",
     "rollout_resource_utilization",
+    "summarise_ledger",
+    "summary_json",
     "train_compute_time",
     "train_resource_utilization",
 ]

@@ -1,38 +1,82 @@
 """The ledger: every decision round and every migration outcome, queryable and on disk.
 
 Records are the bus's :class:`~dynarl.bus.DecisionRecord` and
-:class:`~dynarl.bus.MigrationRecord`. Each append goes to memory and, when the ledger has
-a path, as one JSON line to an append-only file that is flushed at once. Realised effects
-(iteration-time change, prediction error) are filled in later by appending the updated
-record again; readers keep the last line per id. Runs on the controller, in the
-scheduler's loop; appends are small and flushed, not fsynced (the allocation journal is
-the runtime's durable record).
+:class:`~dynarl.bus.MigrationRecord` and the scheduler's own
+:class:`~dynarl.sched.records.SafeModeRecord` and
+:class:`~dynarl.sched.records.ObservationRecord`. Each append goes to memory and, when the
+ledger has a path, as one JSON line to an append-only file that is flushed at once.
+Realised effects (iteration-time change, prediction error) are filled in later by
+appending the updated record again; readers keep the last line per id. JSON has no
+infinity: a non-finite float (a gain of "all remaining work") is written as the string
+``"inf"``, ``"-inf"`` or ``"nan"`` and read back as the float. Listeners (the metrics
+exporter) see every append. Runs on the controller, in the scheduler's loop; appends are
+small and flushed, not fsynced (the allocation journal is the runtime's durable record).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Literal
+from typing import IO, Any, Literal
 
 import msgspec
 
 from dynarl.bus.records import DecisionRecord, MigrationRecord
+from dynarl.sched.records import ObservationRecord, SafeModeRecord
 
-__all__ = ["Ledger", "LedgerRecord"]
+__all__ = ["Ledger", "LedgerRecord", "RecordKind"]
 
 logger = logging.getLogger(__name__)
 
-LedgerRecord = DecisionRecord | MigrationRecord
+LedgerRecord = DecisionRecord | MigrationRecord | SafeModeRecord | ObservationRecord
+"""Every record type of a ledger (one JSON line each)."""
+RecordKind = Literal["decision", "migration", "safety", "observation"]
+"""How :meth:`Ledger.query` names the record types."""
 _ENCODER = msgspec.json.Encoder()
-_DECODER = msgspec.json.Decoder(LedgerRecord)
+# Lax decoding reads the strings "inf", "-inf" and "nan" back into float fields.
+_DECODER = msgspec.json.Decoder(LedgerRecord, strict=False)
+
+
+def _record_kind(record: LedgerRecord) -> RecordKind:
+    match record:
+        case DecisionRecord():
+            return "decision"
+        case MigrationRecord():
+            return "migration"
+        case SafeModeRecord():
+            return "safety"
+        case ObservationRecord():
+            return "observation"
 
 
 def _record_id(record: LedgerRecord) -> str:
-    return record.decision_id if isinstance(record, DecisionRecord) else record.migration_id
+    match record:
+        case DecisionRecord():
+            return record.decision_id
+        case MigrationRecord():
+            return record.migration_id
+        case SafeModeRecord() | ObservationRecord():
+            return record.record_id
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by its name (JSON has none)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _encode(record: LedgerRecord) -> bytes:
+    """One JSON line (without the newline) of ``record``; non-finite floats as strings."""
+    return _ENCODER.encode(_finite(msgspec.to_builtins(record)))
 
 
 class Ledger:
@@ -44,6 +88,7 @@ class Ledger:
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self._records: dict[tuple[str, str], LedgerRecord] = {}
+        self._listeners: list[Callable[[LedgerRecord], None]] = []
         self._file: IO[bytes] | None = None
         self.path = Path(path) if path is not None else None
         if self.path is not None:
@@ -68,15 +113,20 @@ class Ledger:
         return ledger
 
     def _remember(self, record: LedgerRecord) -> None:
-        kind = "decision" if isinstance(record, DecisionRecord) else "migration"
-        self._records[(kind, _record_id(record))] = record
+        self._records[(_record_kind(record), _record_id(record))] = record
+
+    def add_listener(self, listener: Callable[[LedgerRecord], None]) -> None:
+        """Call ``listener(record)`` after every append (updates included); it must not raise."""
+        self._listeners.append(listener)
 
     def append(self, record: LedgerRecord) -> None:
         """Record ``record`` (replacing an earlier one with the same id) and write it out."""
         self._remember(record)
         if self._file is not None:
-            self._file.write(_ENCODER.encode(record) + b"\n")
+            self._file.write(_encode(record) + b"\n")
             self._file.flush()
+        for listener in self._listeners:
+            listener(record)
 
     def fill_realised(
         self,
@@ -86,7 +136,10 @@ class Ledger:
         prediction_error: float | None = None,
         kind: Literal["decision", "migration"] = "decision",
     ) -> LedgerRecord:
-        """Fill in the measured effect of a decision (or migration) and write it out again."""
+        """Fill in the measured effect of a decision (or migration) and write it out again.
+
+        Raises ValueError when the ledger has no such record.
+        """
         key = (kind, record_id)
         if key not in self._records:
             raise ValueError(f"no {kind} record {record_id!r} in the ledger")
@@ -99,9 +152,7 @@ class Ledger:
         self.append(updated)
         return updated
 
-    def get(
-        self, record_id: str, kind: Literal["decision", "migration"] = "decision"
-    ) -> LedgerRecord:
+    def get(self, record_id: str, kind: RecordKind = "decision") -> LedgerRecord:
         """The record with ``record_id``; raises ValueError if there is none."""
         try:
             return self._records[(kind, record_id)]
@@ -111,7 +162,7 @@ class Ledger:
     def query(
         self,
         *,
-        kind: Literal["decision", "migration"] | None = None,
+        kind: RecordKind | None = None,
         component: str | None = None,
         since: float | None = None,
         until: float | None = None,
@@ -120,9 +171,10 @@ class Ledger:
     ) -> list[LedgerRecord]:
         """Records matching every given filter, by time.
 
-        ``component`` matches a decision's donor, receivers or predicted bottleneck and a
-        migration's component; ``committed`` matches a decision's flag and a migration's
-        ``outcome == "committed"``; ``reason`` is a substring of the record's reason.
+        ``component`` matches a decision's donor, receivers or predicted bottleneck, a
+        migration's component and an observation's components; ``committed`` matches a
+        decision's flag and a migration's ``outcome == "committed"`` (other records never
+        match it); ``reason`` is a substring of the record's reason.
         """
         out = [
             r
@@ -132,7 +184,7 @@ class Ledger:
             and (until is None or r.time <= until)
             and (component is None or component in _components(r))
             and (committed is None or _committed(r) == committed)
-            and (reason is None or reason in r.reason)
+            and (reason is None or reason in getattr(r, "reason", ""))
         ]
         return sorted(out, key=lambda r: (r.time, _record_id(r)))
 
@@ -176,13 +228,23 @@ class Ledger:
 
 
 def _components(record: LedgerRecord) -> set[str]:
-    if isinstance(record, MigrationRecord):
-        return {record.component}
-    names = {record.donor, record.predicted_bottleneck, *record.receivers}
-    return {n for n in names if n is not None}
+    match record:
+        case MigrationRecord():
+            return {record.component}
+        case DecisionRecord():
+            names = {record.donor, record.predicted_bottleneck, *record.receivers}
+            return {n for n in names if n is not None}
+        case ObservationRecord():
+            return set(record.components)
+        case SafeModeRecord():
+            return set()
 
 
-def _committed(record: LedgerRecord) -> bool:
-    if isinstance(record, MigrationRecord):
-        return record.outcome == "committed"
-    return record.committed
+def _committed(record: LedgerRecord) -> bool | None:
+    match record:
+        case MigrationRecord():
+            return record.outcome == "committed"
+        case DecisionRecord():
+            return record.committed
+        case SafeModeRecord() | ObservationRecord():
+            return None

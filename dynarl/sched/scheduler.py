@@ -5,7 +5,10 @@ Time comes only from the injected :class:`Clock`, inputs only from the event str
 only go to the injected :class:`CommandSink`, so the simulator drives the very same code
 in virtual time. :meth:`Scheduler.handle` is the synchronous step (it never waits);
 :meth:`Scheduler.run` feeds it from an async iterator. Every decision round, committed
-or not, goes to the ledger. Runs on the controller, in its event loop.
+or not, goes to the ledger with what the scheduler saw of each component at that round;
+so do safe-mode transitions and, once its iteration has ended, the realised effect of a
+committed move (see :mod:`dynarl.sched.effects`). Runs on the controller, in its event
+loop.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import msgspec
 from dynarl.bus.records import ComponentReport
 from dynarl.sched.config import SchedulerConfig
 from dynarl.sched.decision import Decision, DeviceMove, MigrationCost
+from dynarl.sched.effects import MoveEffects, observe
 from dynarl.sched.events import (
     Clock,
     CommandSink,
@@ -35,6 +39,7 @@ from dynarl.sched.ledger import Ledger
 from dynarl.sched.placement import release_devices
 from dynarl.sched.planner import Safety, decide, hold
 from dynarl.sched.predictor import ThroughputPredictor
+from dynarl.sched.records import SafeModeRecord
 from dynarl.sched.window import DonorSignal, WindowSet, detect_donors
 from dynarl.types import Allocation
 
@@ -46,6 +51,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Counters:
     rounds: int = 0
+    transitions: int = 0
     last_round: float = -float("inf")
     history: list[Decision] = field(default_factory=list)
 
@@ -82,6 +88,7 @@ class Scheduler:
         self.ledger = ledger if ledger is not None else Ledger()
         self.windows = WindowSet(self.config)
         self.safety = Safety()
+        self.effects = MoveEffects()
         self.observe_only = self.config.observe_only
         self.submit_timeout_s = submit_timeout_s
         self._counters = _Counters()
@@ -171,6 +178,13 @@ class Scheduler:
             self.predictor.observe(
                 report.component, self.allocation.count(report.component), report
             )
+        realised = self.effects.observe(report)
+        if realised is not None:
+            self.ledger.fill_realised(
+                realised.decision_id,
+                realised_iteration_delta_s=realised.realised_iteration_delta_s,
+                prediction_error=realised.prediction_error,
+            )
 
     def _outcome(self, outcome: MoveOutcome) -> None:
         for record in outcome.records:
@@ -180,20 +194,20 @@ class Scheduler:
         if outcome.decision_id != self.safety.in_flight:
             logger.warning("outcome of %s, which is not the move in flight", outcome.decision_id)
             return
-        was_safe = self.safety.safe
-        self.safety = self.safety.finished(outcome.ok, self.clock.now(), self.config)
+        if not outcome.ok:
+            self.effects.failed(outcome.decision_id)
+        self._set_safety(self.safety.finished(outcome.ok, self.clock.now(), self.config))
         logger.info(
             "move %s %s", outcome.decision_id, "done" if outcome.ok else f"failed: {outcome.reason}"
         )
-        if self.safety.safe and not was_safe:
-            logger.warning("entering safe mode: %s", self.safety.safe_reason)
 
     def _operator(self, command: OperatorCommand) -> None:
         logger.info("operator: %s (%s)", command.action, command.reason)
         if command.action == "enter_safe_mode":
-            self.safety = self.safety.enter(command.reason, self.clock.now(), operator=True)
+            entered = self.safety.enter(command.reason, self.clock.now(), operator=True)
+            self._set_safety(entered, operator=True)
         elif command.action == "leave_safe_mode":
-            self.safety = self.safety.leave()
+            self._set_safety(self.safety.leave(), f"operator: {command.reason}", operator=True)
         else:
             self.observe_only = command.action == "observe_only"
 
@@ -204,14 +218,10 @@ class Scheduler:
         self.predictor.refit()
         nodes = self.nodes
         stats = self.windows.stats()
-        was_safe = self.safety.safe
-        self.safety = self.safety.tick(now, self.config)
+        cooldown = f"cool-down of {self.config.safe_mode_cooldown_s} s over"
+        self._set_safety(self.safety.tick(now, self.config), cooldown)
         errors = {name: self.predictor.prediction_error(name) for name in nodes}
-        self.safety = self.safety.check_errors(errors, now, self.config)
-        if self.safety.safe != was_safe:
-            logger.warning(
-                "safe mode %s: %s", "on" if self.safety.safe else "off", self.safety.safe_reason
-            )
+        self._set_safety(self.safety.check_errors(errors, now, self.config))
         donors = detect_donors(stats, self.config)
         gate = self.safety.gate(now, self.config)
         if gate is not None or (not donors and not self.free):
@@ -230,6 +240,25 @@ class Scheduler:
             )
         return self._record(decision, now)
 
+    def _set_safety(self, safety: Safety, left: str = "", *, operator: bool = False) -> None:
+        """Adopt ``safety``; a start or end of safe mode is logged and recorded (``left``:
+        why it ended)."""
+        before, self.safety = self.safety, safety
+        if before.safe_since == safety.safe_since:
+            return
+        reason = safety.safe_reason if safety.safe else left
+        logger.warning("safe mode %s: %s", "on" if safety.safe else "off", reason)
+        self._counters.transitions += 1
+        self.ledger.append(
+            SafeModeRecord(
+                record_id=f"s{self._counters.transitions:06d}",
+                time=self.clock.now(),
+                safe=safety.safe,
+                reason=reason,
+                operator=operator,
+            )
+        )
+
     def _next_id(self) -> str:
         self._counters.rounds += 1
         return f"d{self._counters.rounds:06d}"
@@ -239,6 +268,10 @@ class Scheduler:
         self._counters.history.append(decision)
         del self._counters.history[:-64]
         record = decision.to_record(decision_id)
+        stats = self.windows.stats()
+        self.ledger.append(
+            observe(decision_id, decision, stats, decision.old_allocation, len(self.free))
+        )
         commands = []
         if decision.committed and self.observe_only:
             record = msgspec.structs.replace(
@@ -258,6 +291,7 @@ class Scheduler:
                 )
             )
             self.safety = self.safety.started(decision_id)
+            self.effects.committed(decision_id, decision, stats)
             logger.info("%s: %s", decision_id, decision.reason)
         self.ledger.append(record)
         return commands

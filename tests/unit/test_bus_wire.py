@@ -114,7 +114,7 @@ def test_the_document_lists_every_error_code() -> None:
 
 def test_the_documented_bytes_are_the_bytes() -> None:
     hex_bytes = WIRE.split("Bytes on the wire for the `Ping` request above", 1)[1]
-    shown = bytes.fromhex(hex_bytes.split("```", 2)[1])
+    shown = bytes.fromhex(hex_bytes.split("```", 2)[1].removeprefix("text"))
     frame = [1, 2, 5000, {"type": "Ping", "seq": 7, "payload": b"hi"}]
     assert shown == msgpack.packb(frame, use_bin_type=True)
     assert msgspec.msgpack.decode(shown)[3]["type"] == "Ping"
