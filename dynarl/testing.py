@@ -15,6 +15,7 @@ import hashlib
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import msgspec.inspect as mi
@@ -339,7 +340,8 @@ class TinyState:
 
 class TinyTrainer(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer"):
     """A small data-parallel trainer whose state is real tensors in a real layout
-    (options: ``hidden``, ``num_layers``, ``seed``, ``distributed_optimizer``, ``step_s``).
+    (options: ``hidden``, ``num_layers``, ``seed``, ``distributed_optimizer``, ``step_s``,
+    ``group_timeout_s``: how long building its groups waits for a member, default 30).
 
     Parameters (an embedding, ``num_layers`` square layers with biases, a head) and their
     Adam moments and step counters are placed by ``dynarl.migrate.trainer_layout`` over
@@ -391,8 +393,9 @@ class TinyTrainer(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer"):
     def _initialise(self) -> None:
         layout = self.layout(self.ctx.devices)
         assert layout.spec is not None
+        timeout = timedelta(seconds=float(self.ctx.options.get("group_timeout_s", 30.0) or 30.0))
         self._groups = LayoutGroups.build(
-            self.ctx.store, layout.spec, rank=self.ctx.device, epoch=self.ctx.epoch
+            self.ctx.store, layout.spec, rank=self.ctx.device, epoch=self.ctx.epoch, timeout=timeout
         )
         self._state = TinyState(self.ctx.options, layout, self.ctx.device)
         self._state.initialise()

@@ -6,8 +6,10 @@ four-number model with torch's RNG, journals every step with its manifest digest
 checkpoints every ``--checkpoint-every`` steps. Restarted, it recovers the journal,
 restores the last checkpoint (tensors, RNG, sample cursor) and redoes the steps after it,
 which must reproduce their journaled digests. With ``--kill-at STEP`` it SIGKILLs its own
-process after that step, once per job directory. At the end it writes ``result.json``
-and stops the workers. :func:`reference` computes the same run in one process, no bus.
+process after that step, once per job directory; with ``--kill-rank R`` (R > 0) the
+worker of rank R SIGKILLs itself instead, on the first request of step STEP + 1. At the
+end it writes ``result.json`` and stops the workers. :func:`reference` computes the same
+run in one process, no bus.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Options:
     batch: int
     checkpoint_every: int
     kill_at: int
+    kill_rank: int
     seed: int
 
 
@@ -71,11 +74,12 @@ def parse(args: Sequence[str]) -> Options:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--checkpoint-every", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--seed", type=int, default=1)
     ns = parser.parse_args(list(args))
     return Options(
         steps=ns.steps, batch=ns.batch, checkpoint_every=ns.checkpoint_every,
-        kill_at=ns.kill_at, seed=ns.seed,
+        kill_at=ns.kill_at, kill_rank=ns.kill_rank, seed=ns.seed,
     )  # fmt: skip
 
 
@@ -94,10 +98,11 @@ def respond(request: GenerationRequest) -> Sample:
     )  # fmt: skip
 
 
-def request_of(ticket: Ticket) -> GenerationRequest:
+def request_of(ticket: Ticket, step: int = 0) -> GenerationRequest:
     return GenerationRequest(
         sample_id=ticket.sample_id, token_ids=pack_tokens([ticket.item, ticket.member]),
         max_new_tokens=MAX_TOKENS, prompt_id=ticket.prompt_id, seed=ticket.seed,
+        metadata={"step": step},
     )  # fmt: skip
 
 
@@ -173,7 +178,8 @@ class StandInJob:
                             steps_done=step + 1, path=ref.path, version=ref.version,
                             cursor=ref.cursor, digest=ref.digest,
                         )  # fmt: skip
-                    if step == options.kill_at and not (job_dir / "killed").exists():
+                    killed = (job_dir / "killed").exists()
+                    if step == options.kill_at and options.kill_rank == 0 and not killed:
                         (job_dir / "killed").touch()
                         os.kill(os.getpid(), signal.SIGKILL)
                 report = manifest.report()
@@ -201,7 +207,18 @@ class StandInJob:
             context.address, name=context.name, config=CONFIG, curve=context.curve,
             on_lost=done.set,
         )  # fmt: skip
-        client.route(GenerationRequest, lambda message, peer: respond(message))
+        options = parse(context.config.args)
+        marker = context.config.job_dir / "killed"
+
+        def serve(message: GenerationRequest, peer: Peer) -> Sample:
+            victim = options.kill_rank == context.env.rank > 0
+            if victim and message.metadata.get("step") == options.kill_at + 1:
+                if not marker.exists():  # a dead rank: torchrun's restart policy takes over
+                    marker.touch()
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return respond(message)
+
+        client.route(GenerationRequest, serve)
         client.route(Interrupt, stop)
         async with client:
             await done.wait()
@@ -233,7 +250,7 @@ async def _step(
     async def generate(index: int, ticket: Ticket) -> Sample:
         attempt = manifest.dispatch(ticket.sample_id)
         worker = workers[index % len(workers)]
-        sample: Sample = await bus.request(worker, request_of(ticket), timeout=30)
+        sample: Sample = await bus.request(worker, request_of(ticket, step), timeout=30)
         manifest.generated(ticket.sample_id, attempt, num_tokens=MAX_TOKENS)
         manifest.scored(ticket.sample_id)
         return sample

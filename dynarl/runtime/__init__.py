@@ -19,7 +19,9 @@ Durability and accounting (used by the controller):
   tensors (in a ``dynarl.migrate`` layout, restorable into another), RNG states and the
   sample cursor; atomic, verified, last K kept;
 - :class:`SampleSource`: the deterministic, seekable sample stream;
-- :class:`Manifest`: exactly-once accounting of every sample from issue to the trainer.
+- :class:`Manifest`: exactly-once accounting of every sample from issue to the trainer;
+- :class:`DurableRun`: all of them around a durable :class:`Job`'s loop (checkpoint,
+  resume, recover from a dead worker).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from dynarl.runtime.checkpoint import CheckpointManifest, CheckpointRef, Checkpo
 from dynarl.runtime.controller import Controller
 from dynarl.runtime.coordinator import Coordinator, plan_moves
 from dynarl.runtime.cost import PlannerCost
-from dynarl.runtime.dispatch import Dispatcher
+from dynarl.runtime.dispatch import Dispatcher, SampleAccounting
 from dynarl.runtime.durability import AllocationJournal, MoveJournal
+from dynarl.runtime.durable import DurableConfig, DurableRun, Recovery
 from dynarl.runtime.faults import Fault, FaultAction, FaultInjector, InjectedFault
 from dynarl.runtime.job import Job, JobConfig
 from dynarl.runtime.journal import Journal, JournalRead, read_journal, recover
@@ -60,7 +63,7 @@ from dynarl.runtime.records import (
     Restored,
     StepCompleted,
 )
-from dynarl.runtime.rng import RngState, capture_rng, restore_rng
+from dynarl.runtime.rng import RngState, capture_rng, load_rng_file, restore_rng, save_rng_file
 from dynarl.runtime.role import (
     Checkpointing,
     ComputeThread,
@@ -91,6 +94,8 @@ __all__ = [
     "Controller",
     "Coordinator",
     "Dispatcher",
+    "DurableConfig",
+    "DurableRun",
     "Fault",
     "FaultAction",
     "FaultInjector",
@@ -113,6 +118,7 @@ __all__ = [
     "MigrationStepped",
     "MoveJournal",
     "PlannerCost",
+    "Recovery",
     "Reporting",
     "Reshardable",
     "Restored",
@@ -120,6 +126,7 @@ __all__ = [
     "RoleContext",
     "RoleMetrics",
     "RuntimeConfig",
+    "SampleAccounting",
     "SampleSource",
     "Serving",
     "ShardRecord",
@@ -133,11 +140,13 @@ __all__ = [
     "WorkerLink",
     "WorkerOptions",
     "capture_rng",
+    "load_rng_file",
     "load_shards",
     "plan_moves",
     "read_journal",
     "recover",
     "restore_rng",
+    "save_rng_file",
     "save_shards",
     "step_digests",
 ]

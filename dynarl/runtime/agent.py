@@ -39,6 +39,7 @@ from dynarl.errors import ProtocolError, WorkerError
 from dynarl.runtime.host import RoleHost
 from dynarl.runtime.options import WorkerOptions
 from dynarl.runtime.reshard import RankMigrations
+from dynarl.runtime.rng import load_rng_file, save_rng_file
 from dynarl.runtime.role import (
     Checkpointing,
     ComputeThread,
@@ -210,6 +211,8 @@ class WorkerAgent:
                     return Done(detail="stateless role: nothing to save or load")
                 save = isinstance(message, SaveState)
                 await self._compute.run(role.save_state if save else role.load_state, message.path)
+                rng = save_rng_file if save else load_rng_file  # the RNG goes with the state
+                await self._compute.run(rng, message.path, self.device)
                 return Done()
             case Shutdown():
                 logger.info("worker %d: shutdown (%s)", self.device, message.reason)

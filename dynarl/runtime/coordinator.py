@@ -10,7 +10,9 @@ nothing or grows back from nothing. Components that give devices up go first.
 component it touches (a trainer's step in progress finishes first): every migration runs
 its steps up to commit; then, if every lease still has ``commit_margin_s`` left, all
 commit, else (or on any failure) all roll back in reverse order and the previous
-allocation stays. Each migration has an id (``<decision>-<component>``), a lease and
+allocation stays. Once the new allocation is journalled (the commit point) it is the one
+in force, even if a participant then fails to commit (the outcome says so).
+Each migration has an id (``<decision>-<component>``), a lease and
 idempotent phases; a command already executed is answered from its recorded outcome.
 Every migration's :class:`~dynarl.bus.MigrationRecord` is published and travels in the
 :class:`~dynarl.sched.MoveOutcome` back to the scheduler, which writes it to the ledger.
@@ -40,6 +42,9 @@ from dynarl.types import Allocation, MigrationKind
 __all__ = ["Coordinator", "plan_moves"]
 
 logger = logging.getLogger(__name__)
+
+_OUTCOMES_KEPT = 256
+"""Outcomes of executed commands kept to answer a repeated command."""
 
 
 def plan_moves(
@@ -184,12 +189,19 @@ class Coordinator:
         self.journal.end(command, command.new_allocation, "")  # the commit point, durable
         results = []
         for driver in drivers:
-            outcome = await driver.commit()
+            try:
+                outcome = await driver.commit()
+            except Exception as exc:  # a participant failed past the commit point
+                logger.warning("%s: commit: %r", driver.migration_id, exc)
+                results.append((driver, "failed", f"commit: {type(exc).__name__}: {exc}"))
+                continue
             results.append((driver, "committed" if outcome.ok else "failed", outcome.detail))
         ok = all(result == "committed" for _, result, _ in results)
         if not ok:
+            # Past the commit point the journal holds the new allocation: it stays in
+            # force, and what a failed participant lost is recovered there.
             logger.error("%s: journalled as committed, but a commit failed", command.decision_id)
-        return self._end(command, ok, "" if ok else "commit failed", results)
+        return self._end(command, ok, "" if ok else "commit failed", results, committed=True)
 
     async def _roll_back(
         self, command: MigrationCommand, started: list[Driver], failure: str
@@ -217,9 +229,11 @@ class Coordinator:
         ok: bool,
         reason: str,
         results: list[tuple[Driver, str, str]],
+        *,
+        committed: bool = False,
     ) -> MoveOutcome:
         records = tuple(self._record(command, *result) for result in results)
-        allocation = self._allocation_after(command, ok, results)
+        allocation = self._allocation_after(command, ok or committed, results)
         self.allocation = allocation
         outcome = MoveOutcome(
             decision_id=command.decision_id,
@@ -229,6 +243,8 @@ class Coordinator:
             records=records,
         )
         self._done[command.decision_id] = outcome
+        while len(self._done) > _OUTCOMES_KEPT:  # older commands are stale anyway
+            del self._done[next(iter(self._done))]
         logger.info("%s: %s", command.decision_id, "committed" if ok else f"failed: {reason}")
         return outcome
 

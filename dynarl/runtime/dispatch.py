@@ -15,6 +15,11 @@ the others), ``abort_inflight`` collects their partial outputs, ``redispatch`` r
 continuations with priority and affinity kept (parked when no worker is left),
 ``release`` / ``resume`` deactivate and reactivate their roles. Runs on the controller's
 event loop (in the component's group manager).
+
+With an :class:`SampleAccounting` attached (``dispatcher.accounting``, e.g. the job's
+:class:`~dynarl.runtime.manifest.Manifest`), every attempt is reported: ``dispatch``
+before each request, ``abort`` for a partial output or a failed request (with the tokens
+generated so far), ``generated`` once for the final output.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
-from dynarl.bus.messages import Sample
+from dynarl.bus.messages import Sample, unpack_tokens
 from dynarl.errors import BusError, PeerLostError, WorkerError
 from dynarl.migrate.workload import PartialRequest
 from dynarl.runtime.link import WorkerLink
@@ -33,7 +38,7 @@ from dynarl.runtime.wire import AbortInflight, Done
 from dynarl.sched.requests import RequestPolicy
 from dynarl.sched.router import DataRouter
 
-__all__ = ["Dispatcher", "WorkerRoles"]
+__all__ = ["Dispatcher", "SampleAccounting", "WorkerRoles"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +56,22 @@ class WorkerRoles(Protocol):
 
     async def release(self, devices: Sequence[int]) -> None:
         """Stop it there and free its memory (asleep or torn down)."""
+        ...
+
+
+class SampleAccounting(Protocol):
+    """Told of every generation attempt (what :class:`~dynarl.runtime.Manifest` does)."""
+
+    def dispatch(self, sample_id: str) -> int:
+        """An attempt starts; its number."""
+        ...
+
+    def abort(self, sample_id: str, attempt: int, *, num_tokens: int) -> None:
+        """The attempt ended without the final output (``num_tokens`` generated so far)."""
+        ...
+
+    def generated(self, sample_id: str, attempt: int, *, num_tokens: int) -> None:
+        """The attempt produced the final output."""
         ...
 
 
@@ -87,6 +108,8 @@ class Dispatcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self.num_delivered = 0
         self.num_resumed = 0
+        self.accounting: SampleAccounting | None = None
+        """Told of every generation attempt, when set."""
 
     # ------------------------------------------------------------------ life cycle
 
@@ -172,6 +195,8 @@ class Dispatcher:
 
     async def _send(self, worker: int, item_id: str) -> None:
         pending = self._items[item_id]
+        accounting = self.accounting
+        attempt = accounting.dispatch(item_id) if accounting is not None else 0
         result: Sample | Exception
         try:
             result = await self._link.serve(
@@ -183,10 +208,17 @@ class Dispatcher:
         self.router.done(worker, item_id)
         self._changed.set()
         if isinstance(result, Exception):
+            if accounting is not None:
+                accounting.abort(item_id, attempt, num_tokens=len(pending.generated))
             self._failed(worker, item_id, result)
             self._pump()
             return
         final = pending.absorb(result)
+        if accounting is not None:
+            if final is None:
+                accounting.abort(item_id, attempt, num_tokens=len(pending.generated))
+            else:
+                accounting.generated(item_id, attempt, num_tokens=_response_tokens(final))
         if final is not None:
             del self._items[item_id]
             self.num_delivered += 1
@@ -274,3 +306,7 @@ class Dispatcher:
         for worker in workers:
             self.add_worker(worker)
         self._pump()
+
+
+def _response_tokens(sample: Sample) -> int:
+    return max(0, len(unpack_tokens(sample.token_ids)) - sample.prompt_len)

@@ -7,9 +7,18 @@ which applies the first armed :class:`Fault` for the phase:
 
 - ``fail``: the step fails (:class:`InjectedFault`) and the move rolls back;
 - ``stall``: the step waits until the migration's lease has lapsed, so it is refused;
-- ``kill``: the worker of ``device`` is sent SIGKILL, then the step runs.
+- ``kill``: the worker of ``device`` is sent SIGKILL, then the step runs;
+- ``kill_controller``: this process (the controller) is sent SIGKILL (a restart test);
+- ``drop`` / ``duplicate`` / ``reorder``: faults of the step's control messages, applied
+  by the migrations that send one message per rank and step (P2P): the message to
+  ``device`` (default: the first rank) is lost, so its reply never comes and the step
+  fails at its deadline; every message is delivered twice; or a late copy of the
+  previous step's messages arrives after this step's. :meth:`FaultInjector.at` returns
+  the fault it fired, for the driver to apply.
 
-Runs on the controller's event loop.
+Every fault a test injects goes through this one seam (``RuntimeConfig.faults`` or
+:meth:`FaultInjector.arm`), never through sleeps or patches elsewhere. Runs on the
+controller's event loop.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -34,6 +45,10 @@ class FaultAction(enum.StrEnum):
     FAIL = "fail"
     STALL = "stall"
     KILL = "kill"
+    KILL_CONTROLLER = "kill_controller"
+    DROP = "drop"
+    DUPLICATE = "duplicate"
+    REORDER = "reorder"
 
 
 class InjectedFault(MigrationError):
@@ -49,7 +64,8 @@ class Fault:
     action: FaultAction = FaultAction.FAIL
     """What happens."""
     device: int | None = None
-    """The worker to kill (``kill`` only)."""
+    """The worker to kill (``kill``), or whose message is dropped (``drop``; None: the
+    first rank)."""
     times: int = 1
     """How many times it fires."""
 
@@ -86,9 +102,10 @@ class FaultInjector:
         """Add ``fault``; it fires at the next ``fault.times`` steps of its phase."""
         self._armed.append(_Armed(fault=fault, left=fault.times))
 
-    async def at(self, phase: str, *, deadline: float) -> None:
-        """Apply the fault armed for ``phase`` if any; ``deadline`` is the lease's
-        (``time.monotonic()``). Raises InjectedFault for a ``fail`` fault."""
+    async def at(self, phase: str, *, deadline: float) -> Fault | None:
+        """Apply the fault armed for ``phase`` if any and return it (message faults are
+        the caller's to apply); ``deadline`` is the lease's (``time.monotonic()``).
+        Raises InjectedFault for a ``fail`` fault."""
         for entry in self._armed:
             fault = entry.fault
             if fault.phase != phase or entry.left <= 0:
@@ -106,4 +123,8 @@ class FaultInjector:
                         raise InjectedFault(f"cannot kill at {phase}: no launcher")
                     assert fault.device is not None
                     self._kill(fault.device)
-            return
+                case FaultAction.KILL_CONTROLLER:
+                    logging.shutdown()  # what was logged so far reaches the log files
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return fault
+        return None

@@ -16,10 +16,19 @@ register, and activates every component on its initial devices; the scheduler th
 beside the user's code and moves devices when a component is over-provisioned. Leaving
 tells the workers to go and stops every process the job started. The user's loop keeps
 control throughout: nothing here blocks the loop. Runs on the user's event loop.
+
+With ``JobConfig.durable`` the job keeps its allocation journal at ``run_dir/journal``:
+started again on the same run directory it recovers the last committed allocation (a
+migration caught in flight is journalled as rolled back: the new workers hold nothing
+of it) and starts every component there; :class:`~dynarl.runtime.durable.DurableRun`
+adds checkpoints, the sample stream and the sample manifest. :meth:`Job.respawn`
+starts again worker processes that died.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import itertools
 import logging
 import sys
@@ -35,7 +44,9 @@ from dynarl.errors import WorkerError
 from dynarl.runtime.controller import Controller
 from dynarl.runtime.durability import AllocationJournal
 from dynarl.runtime.faults import FaultInjector
+from dynarl.runtime.journal import Journal
 from dynarl.runtime.launcher import LocalLauncher
+from dynarl.runtime.link import worker_name
 from dynarl.runtime.options import WorkerOptions
 from dynarl.runtime.progress import Item
 from dynarl.runtime.prometheus import MetricsExporter
@@ -67,6 +78,9 @@ class JobConfig:
     """Interpreter of the worker processes."""
     worker_env: Mapping[str, str] | None = None
     """Environment of the worker processes (None: this process's)."""
+    durable: bool = False
+    """Keep the allocation journal at ``run_dir/journal`` and start from the allocation
+    it holds (a restarted job needs the same ``run_dir``)."""
 
     def __post_init__(self) -> None:
         if self.num_devices is not None and self.num_devices < 1:
@@ -96,6 +110,12 @@ class Job:
         held = [d for spec in components for d in spec.devices]
         self.num_devices = self.config.num_devices or (max(held) + 1 if held else 1)
         self.run_dir = Path(self.config.run_dir or tempfile.mkdtemp(prefix="dynarl-job-"))
+        self.journal: Journal | None = None
+        """The allocation journal (``durable`` jobs)."""
+        if self.config.durable and journal is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.journal = journal = Journal(self.run_dir / "journal", job="dynarl")
+            components = _recovered(components, self.journal)
         self._controller = Controller(
             components,
             num_devices=self.num_devices,
@@ -149,6 +169,31 @@ class Job:
             await self._controller.aclose()
         finally:
             await self._launcher.stop()
+            if self.journal is not None:
+                self.journal.close()
+
+    async def respawn(self) -> tuple[int, ...]:
+        """Start again every worker process of this job that died, and wait until each
+        has registered; returns their devices. They host no role yet.
+
+        Raises WorkerError if one dies again while starting, TimeoutError after
+        ``RuntimeConfig.start_timeout_s``.
+        """
+        dead = tuple(d for d in range(self.num_devices) if self._launcher.returncode(d) is not None)
+        if not dead:
+            return ()
+        server = self._controller.server
+        before = {d: server.peer(worker_name(d)) for d in dead}
+        logger.warning("respawning the workers of devices %s", list(dead))
+        for device in dead:
+            self._launcher.spawn(self._options(device))
+        async with asyncio.timeout(self.config.runtime.start_timeout_s):
+            while True:
+                self._check_alive()
+                now = {d: server.peer(worker_name(d)) for d in dead}
+                if all(now[d] is not None and now[d] is not before[d] for d in dead):
+                    return dead
+                await asyncio.sleep(0.05)
 
     def _options(self, device: int) -> WorkerOptions:
         runtime = self.config.runtime
@@ -308,3 +353,20 @@ class Job:
         if action not in ("enter_safe_mode", "leave_safe_mode", "observe_only", "act"):
             raise ValueError(f"unknown operator action {action!r}")
         self._controller.post(OperatorCommand(action=action, reason=reason))  # type: ignore[arg-type]
+
+
+def _recovered(components: Sequence[ComponentSpec], journal: Journal) -> list[ComponentSpec]:
+    """``components`` on the allocation ``journal`` last committed (and a migration it
+    holds in flight journalled as rolled back)."""
+    state = journal.state
+    if state.in_flight is not None:
+        reason = "the controller restarted before its commit point"
+        journal.end_migration(state.in_flight.migration_id, "rolled_back", reason)
+        logger.warning(
+            "journal: migration %s rolled back (%s)", state.in_flight.migration_id, reason
+        )
+    if state.allocation is None:
+        return list(components)
+    allocation = state.allocation
+    logger.info("journal: recovered allocation %s (epoch %d)", allocation.as_dict(), state.epoch)
+    return [dataclasses.replace(s, devices=allocation.devices(s.name)) for s in components]

@@ -77,6 +77,8 @@ class LocalLauncher:
         out: IO[bytes] | int = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
+            if (previous := self._logs.pop(device, None)) is not None:
+                previous.close()  # a worker started again: its log continues
             out = self._logs[device] = (self.log_dir / f"worker-{device}.log").open("ab")
         proc = subprocess.Popen(command, env=self.env, stdout=out, stderr=subprocess.STDOUT)
         self._procs[device] = proc
@@ -93,11 +95,14 @@ class LocalLauncher:
         return None if proc is None else proc.poll()
 
     def kill(self, device: int, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to ``device``'s worker (fault injection); no-op if it is gone."""
+        """Send ``sig`` to ``device``'s worker (fault injection; SIGKILL returns once it is
+        dead); no-op if it is gone."""
         proc = self._procs.get(device)
         if proc is not None and proc.poll() is None:
             logger.warning("sending signal %d to worker %d (pid %d)", sig, device, proc.pid)
             proc.send_signal(sig)
+            if sig == signal.SIGKILL:  # gone when this returns: no race with a respawn
+                proc.wait(timeout=self.stop_timeout_s)
 
     async def wait(self, device: int, *, within_s: float) -> int:
         """Wait up to ``within_s`` seconds for ``device``'s worker to exit; its status.

@@ -103,6 +103,11 @@ class GroupManager:
         await self.endpoint.start()
 
     @property
+    def request_timeout_s(self) -> float:
+        """Deadline of one control request to a worker, seconds."""
+        return self._config.request_timeout_s
+
+    @property
     def address(self) -> str:
         """Where this component's workers send their metrics."""
         return self.endpoint.address
@@ -233,10 +238,14 @@ class GroupManager:
         dst: Sequence[int],
         epoch: int,
         lease_s: float,
+        only: Sequence[int] | None = None,
     ) -> list[StepResult]:
-        """Run one reshard step on every rank of ``src`` and ``dst``; one result per rank
-        (a rank that could not be reached is a failed result)."""
+        """Run one reshard step on every rank of ``src`` and ``dst`` (or on ``only``
+        those); one result per rank (a rank that could not be reached is a failed
+        result)."""
         ranks = sorted(set(src) | set(dst))
+        if only is not None:
+            ranks = [rank for rank in ranks if rank in only]
         message = Reshard(
             migration_id=migration_id,
             step=step,

@@ -8,7 +8,8 @@ Every driver runs its forward steps up to (not including) ``commit`` in
 - :class:`~dynarl.runtime.workload.WorkloadMove` (serving components);
 - :class:`P2PMove`: the migrate P2P steps on every rank (``prepare``, ``transfer``,
   ``verify``, ``commit``), with the coordinator's own lease and log in a migrate
-  ``MigrationState`` (:class:`StepMachine`);
+  ``MigrationState`` (:class:`StepMachine`); the injected message faults (``drop``,
+  ``duplicate``, ``reorder``) apply to its per-rank step messages;
 - :class:`~dynarl.runtime.reboot.RebootMove`.
 
 Runs on the controller's event loop.
@@ -16,15 +17,17 @@ Runs on the controller's event loop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dynarl.migrate.protocol import MigrationState, Outcome, Step, new_migration, run_step
-from dynarl.runtime.faults import FaultInjector
+from dynarl.runtime.faults import Fault, FaultAction, FaultInjector
 from dynarl.runtime.manager import GroupManager
+from dynarl.runtime.wire import StepResult
 from dynarl.types import MigrationKind
 
 __all__ = ["ComponentMove", "Driver", "P2PMove", "StepMachine", "nothing"]
@@ -83,9 +86,9 @@ class Driver:
         """The migration's state machine."""
         raise NotImplementedError
 
-    async def fault(self, step: str) -> None:
-        """Apply the fault armed for this kind's ``step``, if any."""
-        await self.faults.at(f"{self.move.kind}.{step}", deadline=self.deadline)
+    async def fault(self, step: str) -> Fault | None:
+        """Apply the fault armed for this kind's ``step``, if any; the fault fired."""
+        return await self.faults.at(f"{self.move.kind}.{step}", deadline=self.deadline)
 
     async def pre_commit(self) -> Outcome | None:
         """Run every forward step before commit; the failed outcome, or None."""
@@ -125,26 +128,64 @@ class P2PMove(Driver):
         self.epoch = self.epochs()
         self._machine = StepMachine(self.migration_id, MigrationKind.P2P, self.lease_s)
         self._began = 0.0
+        self._previous = ""
 
     @property
     def state(self) -> MigrationState:
         return self._machine.state
 
-    def _action(self, step: str) -> Callable[[], Awaitable[str]]:
+    def _action(
+        self, step: str, needed: Sequence[int] | None = None
+    ) -> Callable[[], Awaitable[str]]:
+        """The step on every rank; it fails if a rank of ``needed`` (default: every
+        rank) fails."""
+
         async def act() -> str:
-            await self.fault(step)
-            results = await self.manager.reshard(
-                step,
-                migration_id=self.migration_id,
-                src=self.move.src,
-                dst=self.move.dst,
-                epoch=self.epoch,
-                lease_s=max(self.deadline - time.monotonic(), 0.001),
-            )
+            fired = await self.fault(step)
+            results = await self._send(step, fired)
             self.bytes_moved += sum(r.bytes_moved for r in results)
-            return "; ".join(f"rank {r.device}: {r.detail}" for r in results if not r.ok)
+            self._previous = step
+            failed = [r for r in results if not r.ok]
+            moot = [r for r in failed if needed is not None and r.device not in needed]
+            if moot:
+                details = "; ".join(f"rank {r.device}: {r.detail}" for r in moot)
+                why = "on ranks holding nothing of the old layout (their watchdogs roll back)"
+                logger.warning("%s: %s failed %s: %s", self.migration_id, step, why, details)
+            return "; ".join(f"rank {r.device}: {r.detail}" for r in failed if r not in moot)
 
         return act
+
+    async def _ask(self, step: str, only: Sequence[int] | None = None) -> list[StepResult]:
+        return await self.manager.reshard(
+            step,
+            migration_id=self.migration_id,
+            src=self.move.src,
+            dst=self.move.dst,
+            epoch=self.epoch,
+            lease_s=max(self.deadline - time.monotonic(), 0.001),
+            only=only,
+        )
+
+    async def _send(self, step: str, fired: Fault | None) -> list[StepResult]:
+        """This step's message to every rank, with an injected message fault applied."""
+        action = fired.action if fired is not None else None
+        if action is FaultAction.DROP:
+            assert fired is not None
+            ranks = sorted(set(self.move.src) | set(self.move.dst))
+            lost = fired.device if fired.device is not None else ranks[0]
+            delivered = self._ask(step, [r for r in ranks if r != lost])
+            # The lost message's reply never comes: the step waits out its deadline.
+            wait = min(max(self.deadline - time.monotonic(), 0.0), self.manager.request_timeout_s)
+            results, _ = await asyncio.gather(delivered, asyncio.sleep(wait))
+            timeout = StepResult(device=lost, ok=False, detail=f"no reply to {step} (dropped)")
+            return sorted([*results, timeout], key=lambda r: r.device)
+        results = await self._ask(step)
+        if action is FaultAction.DUPLICATE:
+            results = await self._ask(step)  # the second copy: answered from the log
+        elif action is FaultAction.REORDER and self._previous:
+            late = await self._ask(self._previous)  # a stale copy after the current step
+            logger.info("%s: late %s answered %s", self.migration_id, self._previous, late)
+        return results
 
     async def pre_commit(self) -> Outcome | None:
         self._began = time.monotonic()
@@ -163,8 +204,11 @@ class P2PMove(Driver):
         return outcome
 
     async def cancel(self, reason: str) -> Outcome:
-        await self._machine.step(Step.ABORT, self._action("abort"))
-        outcome = await self._machine.step(Step.ROLLBACK, self._action("rollback"))
+        # The rollback restores the old layout: only its ranks must succeed (a joining
+        # rank that is gone or unresponsive holds none of it).
+        src = self.move.src
+        await self._machine.step(Step.ABORT, self._action("abort", src))
+        outcome = await self._machine.step(Step.ROLLBACK, self._action("rollback", src))
         await self._action("close")()
         self.pause_s = time.monotonic() - self._began
         return outcome

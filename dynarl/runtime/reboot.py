@@ -4,7 +4,8 @@ The migrate :class:`~dynarl.migrate.RebootMigration` over the component's
 :class:`~dynarl.runtime.manager.RebootRoles`; in place (a stateful component that
 shrinks to nothing, or grows back where it sleeps) nothing is written and the roles
 sleep or wake where they are. Each step asks the fault injector first (``reboot.save``,
-``reboot.stop``, ``reboot.restart``, ``reboot.load``). Runs on the controller's loop.
+``reboot.stop``, ``reboot.restart``, ``reboot.load``, ``reboot.commit``).
+Runs on the controller's loop.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ class RebootMove(Driver):
         return None
 
     async def commit(self) -> Outcome:
+        await self.fault("commit")
         if self._reboot is not None:
             outcome = await self._reboot.commit()
         else:

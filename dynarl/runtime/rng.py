@@ -9,13 +9,15 @@ thread (torch's generators are process-global).
 
 from __future__ import annotations
 
+import os
 import random
+from pathlib import Path
 
 import msgspec
 import numpy as np
 import torch
 
-__all__ = ["RngState", "capture_rng", "restore_rng"]
+__all__ = ["RngState", "capture_rng", "load_rng_file", "restore_rng", "save_rng_file"]
 
 
 class RngState(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,3 +81,30 @@ def restore_rng(state: RngState) -> None:
                 f"checkpoint holds {len(state.torch_cuda)} CUDA RNG states; {count} devices here"
             )
         torch.cuda.set_rng_state_all([_byte_tensor(s) for s in state.torch_cuda])
+
+
+def _rng_file(directory: str | os.PathLike[str], rank: int) -> Path:
+    return Path(directory) / f"rng-{rank}.msgpack"
+
+
+def save_rng_file(directory: str | os.PathLike[str], rank: int) -> Path:
+    """Write this process's generators to ``directory/rng-<rank>.msgpack`` (written
+    aside, fsynced, renamed: what a worker adds to its role's checkpoint)."""
+    path = _rng_file(directory, rank)
+    partial = path.with_name(f".{path.name}.partial")
+    with partial.open("wb") as file:
+        file.write(msgspec.msgpack.encode(capture_rng()))
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(partial, path)
+    return path
+
+
+def load_rng_file(directory: str | os.PathLike[str], rank: int) -> bool:
+    """Restore this process's generators from ``directory`` if it holds ``rank``'s file;
+    whether it did. Raises msgspec.DecodeError for a damaged file."""
+    path = _rng_file(directory, rank)
+    if not path.exists():
+        return False
+    restore_rng(msgspec.msgpack.decode(path.read_bytes(), type=RngState))
+    return True

@@ -6,8 +6,8 @@ dispatcher (stop routing, abort in-flight work and collect its partial outputs,
 re-dispatch it to the remaining devices with priority and affinity kept, release). A
 component left with no device runs the same steps on the protocol's state machine, its
 continuations parked in the dispatcher until a device comes back. Each step asks the
-fault injector first (``workload.<step>``, ``workload.grow``). Runs on the controller's
-event loop.
+fault injector first (``workload.<step>``, ``workload.grow``, ``workload.commit``).
+Runs on the controller's event loop.
 """
 
 from __future__ import annotations
@@ -141,6 +141,7 @@ class WorkloadMove(Driver):
         return None
 
     async def commit(self) -> Outcome:
+        await self.fault("commit")
         if self._workload is not None:
             outcome = await self._workload.commit()
         else:

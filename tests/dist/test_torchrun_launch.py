@@ -1,9 +1,10 @@
 """Two "nodes" on this machine, each its own ``torchrun`` (c10d rendezvous on loopback),
 launching ``dynarl.runtime.launch`` with CURVE forced: node 1's worker reaches node 0's
-controller over an authenticated bus. The controller SIGKILLs itself after step 2; torchrun
-(``--max-restarts``) restarts the ranks, and the new controller finds the journal, restores
-the checkpoint and the sample cursor, redoes step 2 and ends where an uninterrupted run
-ends."""
+controller over an authenticated bus. A rank dies: the controller (rank 0) SIGKILLs itself
+after step 2, or the worker of rank 1 (the other node) SIGKILLs itself during step 3;
+torchrun (``--max-restarts``) restarts the ranks, and the new controller finds the
+journal, restores the checkpoint and the sample cursor, redoes steps 2 on and ends where
+an uninterrupted run ends."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def torchrun(node: int, port: int, tmp: Path, job_args: list[str]) -> subprocess
         return subprocess.Popen(command, stdout=log, stderr=log, env=env, start_new_session=True)
 
 
-def test_two_torchrun_nodes_over_curve_survive_a_killed_controller(tmp_path: Path) -> None:
+@pytest.mark.parametrize("victim", ["controller", "worker"])
+def test_two_torchrun_nodes_over_curve_survive_a_dead_rank(tmp_path: Path, victim: str) -> None:
     authorized = tmp_path / "authorized"
     authorized.mkdir()
     for node in (0, 1):
@@ -61,6 +63,7 @@ def test_two_torchrun_nodes_over_curve_survive_a_killed_controller(tmp_path: Pat
         shutil.copy(public, authorized / public.name)
     (tmp_path / "job").mkdir()
     job_args = ["--steps", "6", "--checkpoint-every", "2", "--kill-at", "2"]
+    job_args += ["--kill-rank", "1" if victim == "worker" else "0"]
     port = free_port()
     nodes = [torchrun(0, port, tmp_path, job_args), torchrun(1, port, tmp_path, job_args)]
     try:
@@ -72,10 +75,15 @@ def test_two_torchrun_nodes_over_curve_survive_a_killed_controller(tmp_path: Pat
                 node.wait(timeout=30)
     logs = "\n".join((tmp_path / f"node{n}.log").read_text(errors="replace") for n in (0, 1))
     assert codes == [0, 0], logs[-6000:]
-    assert (tmp_path / "job" / "killed").exists(), "the controller was never killed"
+    assert (tmp_path / "job" / "killed").exists(), f"the {victim} was never killed"
     result = json.loads((tmp_path / "job" / "result.json").read_text())
     expected = standin_job.reference(standin_job.parse(job_args))
     assert result["resumed_from"] == 2 and result["violations"] == [], result
+    # torchrun restarted the dead rank's node (its agent counts the restart) and node 0's
+    # restarted controller resumed from the journal and the checkpoint.
+    node = 0 if victim == "controller" else 1
+    assert f"(node {node}, restart 1) starting" in logs
+    assert result["restart_count"] >= (1 if victim == "controller" else 0)
     assert result["digests"] == expected["digests"][2:]
     assert result["checksum"] == expected["checksum"]
     assert result["workers"] == ["rank-0", "rank-1"]

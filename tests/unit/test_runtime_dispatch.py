@@ -7,12 +7,13 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
 from dynarl.bus import GenerationRequest, Sample, pack_tokens, unpack_tokens
 from dynarl.errors import PeerLostError
-from dynarl.runtime import Dispatcher
+from dynarl.runtime import Dispatcher, Manifest
 from dynarl.runtime.progress import Progress
 from dynarl.runtime.wire import FINISH, PROMPT_LEN, RESUMED, AbortInflight, Done
 from dynarl.testing import scripted_token
@@ -247,3 +248,72 @@ def test_a_continuation_keeps_positions_budget_and_log_probabilities() -> None:
         and partial.affinity == "must"
         and partial.affinity_worker == 4
     )
+
+
+def accounted(
+    scenario: Callable[[Dispatcher, Workers, Roles, list[Sample]], Awaitable[None]],
+    workers: Workers,
+    ids: Sequence[str],
+    max_tokens: int,
+) -> tuple[list[Sample], Manifest]:
+    """Run ``scenario`` with a manifest attached; the samples are then scored and trained."""
+    manifest = Manifest()
+    for sample_id in ids:
+        manifest.issue(sample_id, 0, max_tokens=max_tokens)
+
+    async def with_manifest(d: Dispatcher, w: Workers, roles: Roles, out: list[Sample]) -> None:
+        d.accounting = manifest
+        await scenario(d, w, roles, out)
+
+    out = run(with_manifest, workers)
+    for sample in out:
+        manifest.scored(sample.sample_id)
+    manifest.trained(0, [s.sample_id for s in out])
+    manifest.close_step(0)
+    return out, manifest
+
+
+def test_the_manifest_accounts_aborted_and_redispatched_generations_once() -> None:
+    async def scenario(d: Dispatcher, w: Workers, roles: Roles, out: list[Sample]) -> None:
+        d.add_worker(0)
+        d.add_worker(1)
+        d.submit(requests(6, length=60))
+        await asyncio.sleep(0.03)
+        await d.stop_routing([1])
+        await d.redispatch(await d.abort_inflight([1]), [0])
+        await delivered(out, 6)
+
+    out, manifest = accounted(scenario, Workers(), [f"r{i}" for i in range(6)], 60)
+    report = manifest.report()
+    assert report.ok, report.violations
+    assert len(out) == 6 and any(s.metadata[RESUMED] for s in out)
+
+
+def test_rlinf_303_a_resumed_sequence_at_its_limit_is_not_returned_twice() -> None:
+    """The engine aborts every request exactly as its last token comes out: each partial
+    is at its length limit, so re-dispatching it would return the sequence twice."""
+
+    class AtLimit(Workers):
+        async def serve(self, device: int, item: Any, *, deadline_s: float) -> Sample:
+            sample = await super().serve(device, item, deadline_s=deadline_s)
+            return msgspec.structs.replace(sample, metadata={**sample.metadata, FINISH: "abort"})
+
+    workers = AtLimit()
+
+    async def scenario(d: Dispatcher, w: Workers, roles: Roles, out: list[Sample]) -> None:
+        d.add_worker(0)
+        d.submit(requests(3, length=4))
+        await delivered(out, 3)
+        await asyncio.sleep(0.05)  # a second (wrong) delivery would arrive by now
+
+    out, manifest = accounted(scenario, workers, ["r0", "r1", "r2"], 4)
+    assert sorted(s.sample_id for s in out) == ["r0", "r1", "r2"] and workers.served[0] == 3
+    assert manifest.report().ok, manifest.report().violations
+    # The same events with the bug (the at-limit partial dispatched again) are caught.
+    buggy = Manifest()
+    buggy.issue("r0", 0, max_tokens=4)
+    buggy.abort("r0", buggy.dispatch("r0"), num_tokens=4)
+    buggy.generated("r0", buggy.dispatch("r0"), num_tokens=4)
+    buggy.generated("r0", 2, num_tokens=4)
+    kinds = {v.kind for v in buggy.report().violations}
+    assert {"redispatch_at_limit", "duplicate_generation"} <= kinds

@@ -1,0 +1,196 @@
+"""The durable training loop the fault-injection tests, the controller-restart driver and
+the migration soak share: a rollout (``ScriptedRollout``) on devices 0 and 1, a trainer
+(``TinyTrainer``) on device 2, samples from a seeded stream, one checkpoint per step.
+
+Everything a step computes is deterministic (scripted tokens, a deterministic trainer),
+so :func:`reference` computes, in this process and without any worker, the digests and
+the checksum an uninterrupted run reaches; a run that survived faults must end there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from dynarl.bus import GenerationRequest, Sample, pack_tokens
+from dynarl.runtime import (
+    ComponentSpec,
+    DurableConfig,
+    DurableRun,
+    Fault,
+    Job,
+    JobConfig,
+    RuntimeConfig,
+    SampleSource,
+    SourceConfig,
+    StepCompleted,
+    Ticket,
+    read_journal,
+    step_digests,
+)
+from dynarl.sched import SchedulerConfig
+from dynarl.testing import ScriptedRollout, TinyTrainer, scripted_token
+from dynarl.types import Allocation, MigrationKind
+
+logger = logging.getLogger(__name__)
+
+SOURCE = SourceConfig(seed=3, num_items=7, group_size=2)
+BATCH = 4
+MAX_NEW = 24
+TRAINER = {"hidden": 16, "num_layers": 1, "group_timeout_s": 4.0}
+OUTCOMES = ("old", "new", "restore")
+BASE = Allocation.of({"rollout": [0, 1], "trainer": [2]})
+"""The allocation the job starts with."""
+
+
+def request(ticket: Ticket) -> GenerationRequest:
+    return GenerationRequest(
+        sample_id=ticket.sample_id, token_ids=pack_tokens([ticket.item, ticket.member]),
+        max_new_tokens=MAX_NEW, prompt_id=ticket.prompt_id, seed=ticket.seed,
+    )  # fmt: skip
+
+
+def expected_sample(ticket: Ticket) -> Sample:
+    """The sample an uninterrupted generation of ``ticket`` ends with."""
+    prompt = [ticket.item, ticket.member]
+    positions = range(len(prompt), len(prompt) + MAX_NEW)
+    tail = [scripted_token(0, ticket.sample_id, p, 1000) for p in positions]
+    return Sample(sample_id=ticket.sample_id, token_ids=pack_tokens(prompt + tail), prompt_len=2)
+
+
+def reference(num_steps: int) -> tuple[list[str], str]:
+    """(step digests, final trainer checksum) of an uninterrupted run."""
+    source = SampleSource(SOURCE)
+    batches = [[expected_sample(t) for t in source.take(BATCH)] for _ in range(num_steps)]
+    digests = [step_digests(i, [s.sample_id for s in b])[0] for i, b in enumerate(batches)]
+    return digests, str(TinyTrainer.replay(TRAINER, batches)["checksum"])
+
+
+def journal_digests(run_dir: Path) -> list[str]:
+    """The digest each step was first journalled with, by step."""
+    first: dict[int, str] = {}
+    for record in read_journal(run_dir / "journal").records:
+        if isinstance(record, StepCompleted):
+            first.setdefault(record.step, record.digest)
+    return [first[s] for s in sorted(first)]
+
+
+def runtime(faults: Sequence[Fault] = ()) -> RuntimeConfig:
+    """Short deadlines (a dead participant costs seconds), no autonomous moves."""
+    return RuntimeConfig(
+        scheduler=SchedulerConfig(observe_only=True), collective_timeout_s=4.0,
+        request_timeout_s=8.0, drain_timeout_s=8.0, lease_s=40.0, faults=tuple(faults),
+    )  # fmt: skip
+
+
+def job(
+    run_dir: Path, *, trainer: MigrationKind = MigrationKind.P2P, faults: Sequence[Fault] = ()
+) -> Job:
+    specs = [
+        ComponentSpec(role=ScriptedRollout, devices=(0, 1), options={"tokens_per_s": 60.0}),
+        ComponentSpec(role=TinyTrainer, devices=(2,), options=TRAINER, migration=trainer),
+    ]
+    config = JobConfig(run_dir=str(run_dir), runtime=runtime(faults), durable=True)
+    return Job(specs, config)
+
+
+def durable(job: Job) -> DurableRun:
+    return DurableRun(job, DurableConfig(source=SOURCE, checkpoint_every=1, max_tokens=MAX_NEW))
+
+
+def submit(job: Job, run: DurableRun) -> list[Ticket]:
+    """Issue the next step's tickets and hand them to the rollout."""
+    tickets = run.issue(BATCH)
+    job.submit("rollout", [request(t) for t in tickets])
+    return tickets
+
+
+async def collect(job: Job, tickets: Sequence[Ticket], timeout_s: float = 90.0) -> list[Sample]:
+    """The step's samples, in ticket order (the canonical update order)."""
+    out = job.output("rollout")
+    got: dict[str, Sample] = {}
+    async with asyncio.timeout(timeout_s):
+        while len(got) < len(tickets):
+            sample = await out.get()
+            assert sample.sample_id not in got, f"{sample.sample_id} delivered twice"
+            got[sample.sample_id] = sample
+    assert set(got) == {t.sample_id for t in tickets}
+    return [got[t.sample_id] for t in tickets]
+
+
+async def step(job: Job, run: DurableRun) -> None:
+    """One whole, fault-free step."""
+    tickets = submit(job, run)
+    await run.train(await collect(job, tickets))
+
+
+async def checksum(job: Job) -> str:
+    sums = {str(r.values["checksum"]) for r in await job.call("trainer", "checksum")}
+    assert len(sums) == 1, sums
+    return sums.pop()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Result:
+    """What a driver run ends with (``result.json``)."""
+
+    digests: list[str]
+    checksum: str
+    violations: list[str]
+    resumed_from: int | None
+    allocation: dict[str, list[int]]
+
+
+async def drive(run_dir: Path, num_steps: int, faults: Sequence[Fault], arm_at: int = 1) -> Result:
+    """Run (or resume) the loop to ``num_steps`` steps; moves device 1 to the trainer
+    and back every step, so that ``faults`` (armed before step ``arm_at``) meet one."""
+    async with job(run_dir) as running:
+        pids = run_dir / f"workers-{os.getpid()}.json"
+        pids.write_text(json.dumps(sorted(running.workers().values())))
+        run = await durable(running).open()
+        while run.step < num_steps:
+            if run.step == arm_at:
+                for fault in faults:
+                    running.faults.arm(fault)
+            tickets = submit(running, run)
+            await asyncio.sleep(0.2)  # generations in flight on both engines
+            give = run.step % 2 == 0
+            src, dst = ("rollout", "trainer") if give else ("trainer", "rollout")
+            if 1 in running.allocation.devices(src):
+                await running.move([1], src=src, dst=dst)
+            await run.train(await collect(running, tickets))
+        result = Result(
+            digests=journal_digests(run_dir), checksum=await checksum(running),
+            violations=[v.kind for v in run.report().violations],
+            resumed_from=run.resumed_from, allocation=running.allocation.as_dict(),
+        )  # fmt: skip
+    return result
+
+
+def main() -> None:
+    """The controller-restart driver: ``python fault_loop.py RUN_DIR STEPS [PHASE]``;
+    with PHASE the controller SIGKILLs itself there (once per run directory)."""
+    import sys
+
+    from dynarl.runtime import FaultAction
+
+    logging.basicConfig(level=logging.WARNING)
+    run_dir, num_steps = Path(sys.argv[1]), int(sys.argv[2])
+    marker = run_dir / "killed"
+    faults = []
+    if len(sys.argv) > 3 and not marker.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        faults.append(Fault(phase=sys.argv[3], action=FaultAction.KILL_CONTROLLER))
+    result = asyncio.run(drive(run_dir, num_steps, faults))
+    (run_dir / "result.json").write_text(json.dumps(dataclasses.asdict(result)))
+
+
+if __name__ == "__main__":
+    main()
