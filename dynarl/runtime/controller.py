@@ -41,7 +41,7 @@ from dynarl.runtime.durability import AllocationJournal
 from dynarl.runtime.faults import FaultInjector
 from dynarl.runtime.link import WorkerLink
 from dynarl.runtime.manager import GroupManager
-from dynarl.runtime.prometheus import MetricsExporter
+from dynarl.runtime.prometheus import MetricsExporter, metrics_available
 from dynarl.runtime.spec import ComponentSpec, RuntimeConfig
 from dynarl.runtime.wire import Done, Shutdown
 from dynarl.sched.events import MonotonicClock, SchedulerEvent, Tick
@@ -157,7 +157,9 @@ class Controller:
             group.create_task(self.scheduler.run(self._event_stream(), self.coordinator)),
             group.create_task(self._tick()),
         ]
-        if self.config.metrics_port is not None:
+        if self.config.metrics_port == 0 and not metrics_available():
+            logger.warning("no metrics endpoint: pip install 'dynarl[metrics]' for one")
+        elif self.config.metrics_port is not None:
             # After the task group: a failure to bind is cleaned up by aclose().
             self.metrics = MetricsExporter(
                 self.scheduler, host=self.config.metrics_host, port=self.config.metrics_port

@@ -33,6 +33,7 @@ endpoint has no authentication). Use as ``async with MetricsExporter(...)`` or c
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import math
 import re
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
     from prometheus_client.core import Metric
 
-__all__ = ["MetricsExporter"]
+__all__ = ["MetricsExporter", "metrics_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,11 @@ _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 _PAUSE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ERROR_BUCKETS = (-0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 _REQUEST_TIMEOUT_S = 5.0
+
+
+def metrics_available() -> bool:
+    """Whether the ``metrics`` extra (prometheus-client) is installed."""
+    return importlib.util.find_spec("prometheus_client") is not None
 
 
 def _prometheus() -> Any:

@@ -167,9 +167,10 @@ class RuntimeConfig:
     """The decision plane's settings."""
     faults: tuple[Fault, ...] = ()
     """Faults to inject at named migration phases (tests)."""
-    metrics_port: int | None = None
-    """Port of the controller's Prometheus endpoint (None: none; 0: a free port; needs the
-    ``metrics`` extra)."""
+    metrics_port: int | None = 0
+    """Port of the controller's Prometheus endpoint: 0 (default) a free port, ``Job.metrics``
+    has its URL, skipped with a warning when the ``metrics`` extra is not installed; a fixed
+    port requires the extra; None: no endpoint."""
     metrics_host: str = "127.0.0.1"
     """Address the Prometheus endpoint binds (loopback unless set: it has no authentication)."""
 

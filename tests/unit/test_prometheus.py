@@ -179,3 +179,19 @@ def test_refusals() -> None:
     asyncio.run(main())
     with pytest.raises(ValueError, match="metrics port"):
         MetricsExporter(s, port=70000)
+
+
+def test_the_endpoint_is_on_by_default_and_known_missing_without_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dynarl.runtime import RuntimeConfig, prometheus
+
+    assert RuntimeConfig().metrics_port == 0
+    assert prometheus.metrics_available()
+    real = prometheus.importlib.util.find_spec
+    monkeypatch.setattr(
+        prometheus.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "prometheus_client" else real(name, *a),
+    )
+    assert not prometheus.metrics_available()
