@@ -8,12 +8,15 @@ that last handled its episode, whose prefix cache holds its context) and ``statu
 lowest index first — and queues it there. :meth:`DataRouter.priority_schedule` pops the
 next batch of one worker's queue (see :mod:`dynarl.sched.requests`). Removing a worker
 (a migration took its device) hands back everything queued on it, so nothing is lost.
-Lives in the group manager's loop; not thread-safe.
+Affinities are kept for the ``max_episodes`` most recently routed episodes (older ones are
+forgotten, so a long job's router stays bounded). Lives in the group manager's loop; not
+thread-safe.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -64,17 +67,20 @@ class DataRouter:
         policy: RequestPolicy | None = None,
         max_overtakes: int | None = 64,
         prefer_slack: int = 4,
+        max_episodes: int = 65_536,
     ) -> None:
         if prefer_slack < 0:
             raise ValueError(f"prefer_slack must be >= 0, got {prefer_slack}")
+        if max_episodes < 1:
+            raise ValueError(f"max_episodes must be >= 1, got {max_episodes}")
         self._policy = policy
         self._max_overtakes = max_overtakes
         self.prefer_slack = prefer_slack
         self._queues: dict[int, RequestQueue] = {}
         self._in_flight: dict[int, set[str]] = {}
-        self._sticky: dict[str, int] = {}
-        self._status: dict[str, int] = {}
-        self._episode_of: dict[str, str] = {}
+        self.max_episodes = max_episodes
+        self._sticky: OrderedDict[str, int] = OrderedDict()
+        self._status: OrderedDict[str, int] = OrderedDict()
         for worker in workers:
             self.add_worker(worker)
 
@@ -99,7 +105,7 @@ class DataRouter:
         left = list(queue)
         del self._queues[worker]
         self._in_flight.pop(worker, None)
-        self._sticky = {e: w for e, w in self._sticky.items() if w != worker}
+        self._sticky = OrderedDict((e, w) for e, w in self._sticky.items() if w != worker)
         return left
 
     def clear_sticky(self) -> None:
@@ -138,14 +144,19 @@ class DataRouter:
             )
             loads[worker] += 1
             heapq.heappush(heap, (loads[worker], worker))
-            self._sticky[item.episode] = worker
-            self._status[item.episode] = item.status
-            self._episode_of[item.item_id] = item.episode
+            self._remember(item.episode, worker, item.status)
             placed.setdefault(worker, []).append(item.item_id)
         return Routing(
             assignment=tuple((w, tuple(ids)) for w, ids in sorted(placed.items())),
             unroutable=tuple(unroutable),
         )
+
+    def _remember(self, episode: str, worker: int, status: int) -> None:
+        for table, value in ((self._sticky, worker), (self._status, status)):
+            table[episode] = value
+            table.move_to_end(episode)
+            while len(table) > self.max_episodes:
+                table.popitem(last=False)
 
     def _choose(
         self, item: RoutedItem, heap: list[tuple[int, int]], loads: Mapping[int, int]

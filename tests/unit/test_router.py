@@ -84,3 +84,17 @@ def test_fifo_policy_and_rebalance() -> None:
     assert router.status("a") == (None, 5)
     with pytest.raises(ValueError, match="already routed"):
         router.add_worker(0)
+
+
+def test_only_the_most_recent_episodes_keep_their_affinity() -> None:
+    router = DataRouter([0, 1], max_episodes=2)
+    router.distribute_data([item(0, "a", status=1), item(1, "b", status=2)])
+    router.distribute_data([item(2, "a", Affinity.MUST, status=3), item(3, "c")])
+    # a was routed again after b, so b is the one forgotten when c arrives.
+    assert router.status("a") == (0, 3)
+    assert router.status("b") == (None, 0)
+    assert router.status("c") == (1, 0)
+    lost = router.distribute_data([item(4, "b", Affinity.MUST)])
+    assert lost.assignment == () and "no previous worker" in lost.unroutable[0][1]
+    with pytest.raises(ValueError, match="max_episodes"):
+        DataRouter([0], max_episodes=0)
