@@ -130,7 +130,9 @@ class Controller:
         self.publisher = Publisher(config=self.bus)
         await self.publisher.__aenter__()
         self.link = WorkerLink(self.server, timeout_s=self.config.request_timeout_s)
-        self.ledger = Ledger(self.run_dir / "events.jsonl")
+        self.ledger = Ledger(
+            self.run_dir / "events.jsonl", keep_recent=self.config.ledger_keep_recent
+        )
         clock = MonotonicClock()
         self.managers = {
             name: GroupManager(

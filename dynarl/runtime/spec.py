@@ -173,6 +173,9 @@ class RuntimeConfig:
     port requires the extra; None: no endpoint."""
     metrics_host: str = "127.0.0.1"
     """Address the Prometheus endpoint binds (loopback unless set: it has no authentication)."""
+    ledger_keep_recent: int = 4096
+    """Most recent uncommitted-round and observation records (two per decision round) the
+    controller's ledger keeps in memory; older ones are only in ``events.jsonl``."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -199,6 +202,10 @@ class RuntimeConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(
                 f"RuntimeConfig.metrics_port must be in [0, 65535], got {self.metrics_port}"
+            )
+        if self.ledger_keep_recent < 1:
+            raise ValueError(
+                f"RuntimeConfig.ledger_keep_recent must be >= 1, got {self.ledger_keep_recent}"
             )
         if self.collective_timeout_s >= self.request_timeout_s:
             raise ValueError("RuntimeConfig.collective_timeout_s must be below request_timeout_s")

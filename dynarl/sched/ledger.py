@@ -9,7 +9,11 @@ Realised effects (iteration-time change, prediction error) are filled in later b
 appending the updated record again; readers keep the last line per id. JSON has no
 infinity: a non-finite float (a gain of "all remaining work") is written as the string
 ``"inf"``, ``"-inf"`` or ``"nan"`` and read back as the float. Listeners (the metrics
-exporter) see every append. Runs on the controller, in the scheduler's loop; appends are
+exporter) see every append. A long job's ledger keeps its memory bounded with
+``keep_recent``: committed decisions, migrations and safe-mode transitions stay in memory,
+but only the most recent ``keep_recent`` of the other records (uncommitted rounds and
+observations, one pair per decision round) do — the file keeps them all, and
+:meth:`Ledger.load` reads them back. Runs on the controller, in the scheduler's loop; appends are
 small and flushed, not fsynced (the allocation journal is the runtime's durable record).
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
@@ -83,11 +88,21 @@ class Ledger:
     """Decision and migration records: an in-memory index plus an optional JSONL sink.
 
     Use as a (sync or async) context manager, or call :meth:`close`. Raises ValueError
-    for a record id that is unknown when filling in realised effects.
+    for a record id that is unknown when filling in realised effects, and for a
+    ``keep_recent`` below 1 or given without a ``path`` (memory would be the only copy).
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str] | None = None, *, keep_recent: int | None = None
+    ) -> None:
+        if keep_recent is not None and (keep_recent < 1 or path is None):
+            raise ValueError(
+                f"Ledger keep_recent must be >= 1 and needs a path, got {keep_recent!r}"
+                f" with path {path!r}"
+            )
+        self.keep_recent = keep_recent
         self._records: dict[tuple[str, str], LedgerRecord] = {}
+        self._recent: deque[tuple[str, str]] = deque()
         self._listeners: list[Callable[[LedgerRecord], None]] = []
         self._file: IO[bytes] | None = None
         self.path = Path(path) if path is not None else None
@@ -113,7 +128,14 @@ class Ledger:
         return ledger
 
     def _remember(self, record: LedgerRecord) -> None:
-        self._records[(_record_kind(record), _record_id(record))] = record
+        key = (_record_kind(record), _record_id(record))
+        if key not in self._records and self.keep_recent is not None and _evictable(record):
+            self._recent.append(key)
+            while len(self._recent) > self.keep_recent:
+                old = self._recent.popleft()
+                if _evictable(self._records[old]):
+                    del self._records[old]
+        self._records[key] = record
 
     def add_listener(self, listener: Callable[[LedgerRecord], None]) -> None:
         """Call ``listener(record)`` after every append (updates included); it must not raise."""
@@ -238,6 +260,17 @@ def _components(record: LedgerRecord) -> set[str]:
             return set(record.components)
         case SafeModeRecord():
             return set()
+
+
+def _evictable(record: LedgerRecord) -> bool:
+    """Whether a bounded ledger may forget ``record`` from memory (it stays on disk)."""
+    match record:
+        case DecisionRecord():
+            return not record.committed
+        case ObservationRecord():
+            return True
+        case MigrationRecord() | SafeModeRecord():
+            return False
 
 
 def _committed(record: LedgerRecord) -> bool | None:

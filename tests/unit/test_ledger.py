@@ -87,3 +87,32 @@ def test_async_context_manager_closes(tmp_path: Path) -> None:
     ledger = asyncio.run(use())
     ledger.close()  # idempotent
     assert Ledger.load(tmp_path / "a.jsonl").get("d1").time == 0.0
+
+
+def test_bounded_ledger_forgets_only_old_rounds_and_the_file_keeps_everything(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "events.jsonl"
+    with Ledger(path, keep_recent=3) as ledger:
+        for i in range(1, 8):
+            ledger.append(decision(i, committed=i == 2, time=float(i)))
+        ledger.append(migration(1, 2.5))
+        ledger.fill_realised("d2", realised_iteration_delta_s=-1.0)
+        kept = [r.decision_id for r in ledger.query(kind="decision")]  # type: ignore[union-attr]
+        assert kept == ["d2", "d5", "d6", "d7"]
+        assert len(ledger.query(kind="migration")) == 1
+        with pytest.raises(ValueError, match="no decision record 'd1'"):
+            ledger.get("d1")
+    again = Ledger.load(path)
+    assert [r.decision_id for r in again.query(kind="decision")] == [  # type: ignore[union-attr]
+        f"d{i}" for i in range(1, 8)
+    ]
+    assert again.get("d2").realised_iteration_delta_s == -1.0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("keep", [0, -3])
+def test_bounded_ledger_refuses_a_bad_bound(tmp_path: Path, keep: int) -> None:
+    with pytest.raises(ValueError, match="keep_recent must be >= 1"):
+        Ledger(tmp_path / "events.jsonl", keep_recent=keep)
+    with pytest.raises(ValueError, match="needs a path"):
+        Ledger(keep_recent=10)
