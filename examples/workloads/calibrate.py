@@ -2,7 +2,7 @@
 
 Each number in ``examples/workloads/*.toml`` comes from :func:`derive`, which uses only the
 FACTS (from the DynaRL paper as summarised in ``shared/design/ARCHITECTURE.md`` §9 and
-seed 002, and public model cards), the ASSUMPTIONS (stated below, with why) and three
+seed 002, and public model cards), the ASSUMPTIONS (stated below, with why) and four
 FITTED values. The fitted values come from :func:`fit`: the output-length distribution
 (log-normal median and sigma) and the per-step decode overhead are chosen so that a
 rollout-only simulation of the 1.5B math batch on 64 GPUs reproduces facts F1–F3 (longest
@@ -11,16 +11,18 @@ left at mid-generation). A fourth fitted value, the 1.5B model's downstream effi
 comes from :func:`fit_downstream`: F1 and the low end of F11 bound the paper's
 static-sequential iteration at 1.5B/64 from below (any iteration lasts at least the
 longest decode, so the static one lasts at least 1.43 × 259.51 ≈ 371 s, ≥ 112 s of it
-outside rollout); A8's MFUs give ~58 s there, so the 1.5B model's log-prob and training
-MFUs are scaled down, by one factor, until a static-sequential iteration on the 1.5B/64
-file lasts exactly that bound (the least slowdown the facts require). The 7B/64-GPU
+outside rollout); A8's MFUs gave a 324.7 s iteration, ~68 s outside rollout, so the 1.5B
+model's log-prob and training MFUs are scaled down, by one factor, until a
+static-sequential iteration on the 1.5B/64 file lasts exactly that bound (the least
+slowdown the facts require). The 7B/64-GPU
 timeline (F10) is held out: nothing here reads it; only the validation tests do. F11's
 7B half is not used either (it is a validation fact; at 7B the same bound, with the
 model's own ~410 s static rollout for F1, is already met by A8: ~234 s ≥ 176 s).
 
 Run ``.venv/bin/python examples/workloads/calibrate.py`` to rewrite the TOML files from
-FITTED, ``--fit`` to redo the fit first (about a minute), ``--check`` to fail if the files
-on disk differ from what :func:`derive` gives.
+FITTED, ``--fit`` to redo the fit first (about a minute), ``--fit-downstream`` to redo only
+the downstream efficiency (seconds), ``--check`` to fail if the files on disk differ from
+what :func:`derive` gives.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ FACTS = {
     "F8": (100e9, "agentic and math compared at the same 100 GB KV-cache threshold (Fig. 4–5)"),
     "F9": ((8, 80), "testbed: 8 H100-80GB per node, NVLink (§7.1)"),
     "F10": ("held out", "7B/64 timeline: trainer 52 GPUs at ≈380 s with priority, 32 at ≈420 s"),
-    "F11": (1.43, "64 GPUs, 1.5B math: DynaRL 1.43–1.55× its static baselines (§7.2, Fig. 11)"),
+    "F11": (1.43, "64 GPUs, 1.5B/7B math: DynaRL 1.43–1.55× its static baselines (§7.2, Fig. 11)"),
     "M1": (
         {"1.5b": (1.78e9, 28, 1536, 2), "7b": (7.62e9, 28, 3584, 4), "32b": (32.8e9, 64, 5120, 8)},
         "DeepSeek-R1-Distill-Qwen model cards: params, layers, hidden, KV heads (head dim 128)",
