@@ -15,6 +15,7 @@ from dynarl.sim.components import (
     RolloutModel,
     SimPolicy,
     build_nodes,
+    migration_bytes,
 )
 from dynarl.sim.engine import Engine, SimRequest
 from dynarl.sim.events import EventLoop, Handle, Task, Wait
@@ -121,6 +122,7 @@ __all__ = [
     "format_table",
     "load_workload",
     "make_policy",
+    "migration_bytes",
     "plot_timeline",
     "plot_timelines",
     "predictor_profiles",

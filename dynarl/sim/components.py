@@ -8,6 +8,8 @@
   what the simulation measures). Seconds per kind come from the workload's
   ``[migration]`` table; concurrent resizes overlap, so a move costs its slowest part;
   P2P resizes copy one replica's state per replica added.
+- :func:`migration_bytes`: the bytes a resize moves across devices, per migration kind
+  (what the ledger's ``MigrationRecord.bytes_moved`` says for a simulated move).
 - The protocols the simulator and the policies share: :class:`RolloutModel` (the
   per-request and the vectorised rollout), :class:`EngineView`, :class:`SimPolicy`.
 """
@@ -35,6 +37,7 @@ __all__ = [
     "RolloutModel",
     "SimPolicy",
     "build_nodes",
+    "migration_bytes",
 ]
 
 COMPONENTS = ("rollout", "inference", "trainer")
@@ -207,3 +210,30 @@ class ModelledMigrationCost:
             if new[name] != old[name]
         )
         return self.estimate(resizes).seconds
+
+
+def migration_bytes(workload: Workload, component: str, old: int, new: int) -> int:
+    """Bytes that cross devices when ``component`` goes from ``old`` to ``new`` devices.
+
+    Workload migration (rollout, log-prob inference): each added device loads its shard
+    of the bf16 weights (2 bytes a parameter over the replica's TP); released devices
+    send nothing (their requests are re-submitted with their tokens, the KV is dropped
+    and re-prefilled). P2P (the trainer): each added device receives the replicated part
+    of its TP shard of the state, and the part the distributed optimizer shards over DP
+    is re-partitioned for the new DP size, of which the share ``1 - min/max`` (old and
+    new DP sizes) changes owner. Raises ValueError for an unknown component.
+    """
+    if component not in COMPONENTS:
+        raise ValueError(f"unknown component {component!r}")
+    w = workload
+    added = max(new - old, 0)
+    if component == "rollout":
+        return int(2.0 * w.model.num_params * added / w.rollout.tp)
+    if component == "inference":
+        return int(2.0 * w.model.num_params * added / w.inference.tp)
+    state = w.model.state_bytes
+    sharded = state * w.model.sharded_state_fraction
+    replicated = (state - sharded) * added / w.trainer.tp
+    low, high = min(old, new), max(old, new)
+    moved = sharded * (1.0 - low / high) if high else 0.0
+    return int(replicated + moved)

@@ -20,6 +20,7 @@ from dynarl.sim import (
     StaticSplit,
     VerlHybrid,
     make_policy,
+    migration_bytes,
     rlinf_dp_sizes,
     start_partition,
 )
@@ -162,6 +163,36 @@ def test_dynarl_executes_exactly_what_the_scheduler_commits() -> None:
     assert all(m.outcome == "committed" and m.pause_s > 0 for m in migrations)  # type: ignore[union-attr]
     assert scheduler.allocation == sim.allocation
     assert scheduler.safety.in_flight is None
+
+
+def test_migration_bytes_per_kind() -> None:
+    w = small()
+    weights = 2.0 * w.model.num_params
+    # Workload migration: added engines load their weight shards; releases send nothing.
+    assert migration_bytes(w, "rollout", 4, 6) == int(weights * 2 / w.rollout.tp)
+    assert migration_bytes(w, "rollout", 6, 4) == 0
+    assert migration_bytes(w, "inference", 2, 4) == int(weights * 2 / w.inference.tp)
+    # P2P: the added ranks' replicated state, plus the re-partitioned sharded state.
+    state, f, tp = w.model.state_bytes, w.model.sharded_state_fraction, w.trainer.tp
+    grow = migration_bytes(w, "trainer", 2, 8)
+    assert grow == int(state * (1 - f) * 6 / tp + state * f * (1 - 2 / 8))
+    assert migration_bytes(w, "trainer", 8, 2) == int(state * f * (1 - 2 / 8))
+    assert migration_bytes(w, "trainer", 4, 4) == 0
+    with pytest.raises(ValueError, match="nope"):
+        migration_bytes(w, "nope", 1, 2)
+
+
+def test_dynarl_ledger_records_the_bytes_each_migration_moves() -> None:
+    policy = DynarlPolicy()
+    sim, _ = _run(policy)
+    assert policy.scheduler is not None
+    migrations = policy.scheduler.ledger.query(kind="migration")
+    assert migrations
+    for m in migrations:
+        assert isinstance(m, MigrationRecord)
+        old, new = len(m.src_devices), len(m.dst_devices)
+        assert m.bytes_moved == migration_bytes(sim.workload, m.component, old, new)
+    assert any(m.bytes_moved > 0 for m in migrations)  # type: ignore[union-attr]
 
 
 def test_dynarl_returns_to_the_iteration_start_allocation_at_every_barrier() -> None:

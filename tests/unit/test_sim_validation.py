@@ -75,8 +75,14 @@ def _u_low(value: float) -> float:
     return result("math-1.5b-64gpu", "dynarl", "u_low", value).throughput
 
 
+# The paper's plateaus (Fig. 15): U_low 0.1-0.3 within 1.5% of the peak, T 2-8 s within
+# 0.5%. A "loss" is a drop below the plateau by more than its own width.
+U_LOW_PLATEAU = 0.985
+T_WINDOW_PLATEAU = 0.995
+
+
 def test_u_low_sweep_loses_at_0_01_against_the_plateau() -> None:
-    assert _u_low(0.01) < min(_u_low(v) for v in (0.1, 0.2, 0.3))
+    assert _u_low(0.01) < U_LOW_PLATEAU * min(_u_low(v) for v in (0.1, 0.2, 0.3))
 
 
 @pytest.mark.xfail(
@@ -84,32 +90,21 @@ def test_u_low_sweep_loses_at_0_01_against_the_plateau() -> None:
     reason="on math-1.5b-64gpu every rollout engine stays below ~0.2 of its KV capacity "
     "(8192 sequences over 60 engines of 2.4M tokens), so from U_low = 0.2 up Stage 1 flags "
     "rollout as a donor T seconds into every iteration and Stage 2 alone decides: U_low 0.2, "
-    "0.3 and 0.5 give the same run. The paper's loss at 0.5 (-14.1%, 'reluctant to "
-    "reconfigure') would need the opposite of Stage 1's rule (a higher U_low means more "
-    "donors), or engines much fuller than this calibration's.",
+    "0.3 and 0.5 give runs within 0.1% of each other (0.5 is on the plateau). The paper's "
+    "loss at 0.5 (-14.1%, 'reluctant to reconfigure') would need the opposite of Stage 1's "
+    "rule (a higher U_low means more donors), or engines much fuller than this calibration's.",
 )
 def test_u_low_sweep_loses_at_0_5() -> None:
-    assert _u_low(0.5) < min(_u_low(v) for v in (0.1, 0.2, 0.3))
+    assert _u_low(0.5) < U_LOW_PLATEAU * min(_u_low(v) for v in (0.1, 0.2, 0.3))
 
 
 def _t_window(value: float) -> float:
     return result("math-1.5b-64gpu", "dynarl", "t_window", value).throughput
 
 
-def test_t_window_sweep_loses_at_64_seconds() -> None:
-    assert _t_window(64.0) < min(_t_window(v) for v in (2.0, 4.0, 8.0, 32.0))
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="T = 32 s gives +0.6% over T = 2-8 s on math-1.5b-64gpu (the paper: -3.1%): its "
-    "engines sit below U_low from the first seconds of every iteration (see the U_low 0.5 "
-    "test), so T only delays rollout's first release; at 32 s the scheduler makes fewer, "
-    "later moves (6 against 9.5 per iteration), whose saved migrations about pay for the "
-    "later start. At 64 s the delay dominates (-6.5%, the paper -6.4%).",
-)
-def test_t_window_sweep_loses_at_32_seconds() -> None:
-    assert _t_window(32.0) < min(_t_window(v) for v in (2.0, 4.0, 8.0))
+@pytest.mark.parametrize("window", [32.0, 64.0])
+def test_t_window_sweep_loses_at_32_and_64_seconds(window: float) -> None:
+    assert _t_window(window) < T_WINDOW_PLATEAU * min(_t_window(v) for v in (2.0, 4.0, 8.0))
 
 
 def _ramp(policy: str, gpus: int) -> float:

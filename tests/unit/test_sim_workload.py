@@ -16,14 +16,14 @@ from dynarl.sim import build_trace, dump_workload, file_hash, load_workload, wit
 from dynarl.sim.workload import workload_from_dict
 
 HASHES = {
-    "agentic-1.5b-128gpu": "b4defdf1a8832e17cc96c6d2517f197fcf818badd26d6faa4c51ca4c6cdc4c5f",
-    "agentic-1.5b-64gpu": "33ac8a97264c5bf828a7b26f4e33903cf61b5bcc1f290c01d7c266c767eb16ca",
+    "agentic-1.5b-128gpu": "d2d8233e0e7c998012666115a2bb188a12662777bb7936274e97f0ad16cd4cce",
+    "agentic-1.5b-64gpu": "663ffa884d5296cbea1973e7ccd3db3ecb57727223e72bca16c465f32755ca67",
     "agentic-32b-128gpu": "18561d126365c30050ad7a89741134f3a1194be7fd67139d79d4f08465a23452",
     "agentic-32b-64gpu": "012ead57c7d6d2db060d28328f141374c38dabf7816e731f06cc0822efd8bd8f",
     "agentic-7b-128gpu": "4713e6eba732b77cc65ce3599a2e789d8da7b1d77bacc35dd8aa24b0be455678",
     "agentic-7b-64gpu": "52bfad90f9ff195240e3af2cf80313624718837bfd84821c05d114f481e22620",
-    "math-1.5b-128gpu": "3638d36bcd7498ac267c11d075f9dcedbf0d705cd92be0f9310bbfe1e040b693",
-    "math-1.5b-64gpu": "fa7519107e5037e6e737b6863e30c5ecc0d4b223c35656bc1b67a75d40f37a54",
+    "math-1.5b-128gpu": "d0202179cbfe8e8310cc088698feee78e095efbfaa01a2c4a82fa13ae4cbb206",
+    "math-1.5b-64gpu": "8172d4bd4d82d2b4040d1d8f5f7437b461c2265b0e3cfbf5ff91de3c52c06d3d",
     "math-32b-128gpu": "42db4148aa060858a4208a60aa5259d7b7ebb03a87e6f9972f6209ccc342d3cc",
     "math-32b-64gpu": "74a7c41736049618dc7cade588d6b09b779221806f11bcc9158f02e28c7b2b78",
     "math-7b-128gpu": "386ae4f9465d8b0f00619d55edff686e7685d0645d5007f9ec2989910348ca5c",

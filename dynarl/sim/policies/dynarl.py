@@ -40,7 +40,7 @@ from dynarl.sched import (
     RequestPolicy,
     Scheduler,
 )
-from dynarl.sim.components import COMPONENTS
+from dynarl.sim.components import COMPONENTS, migration_bytes
 from dynarl.sim.profile import predictor_profiles, start_partition
 from dynarl.sim.simulator import Simulation
 from dynarl.types import Allocation
@@ -188,6 +188,12 @@ class DynarlPolicy:
                     src_devices=before.devices(name),
                     dst_devices=after.devices(name),
                     outcome="committed",
+                    bytes_moved=migration_bytes(
+                        sim.workload,
+                        name,
+                        len(before.devices(name)),
+                        len(after.devices(name)),
+                    ),
                     pause_s=sim.loop.now - start,
                 )
             )
