@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dynarl.backends.reference.async_records import AsyncConfig, AsyncStepReport
@@ -65,8 +66,17 @@ class AsyncGRPODriver:
     """Asynchronous GRPO on ``job`` (see the module docstring). Raises BackendError when
     a generation, a call or a move fails."""
 
-    def __init__(self, job: Job, setup: ReferenceSetup, config: AsyncConfig) -> None:
+    def __init__(
+        self,
+        job: Job,
+        setup: ReferenceSetup,
+        config: AsyncConfig,
+        *,
+        observer: Callable[[AsyncStepReport], None] | None = None,
+    ) -> None:
         self.job, self.setup, self.config = job, setup, config
+        self.observer = observer
+        """Called with every step's report."""
         devices = tuple(range(config.num_devices))
         self.standalone = devices[: config.num_standalone_devices]
         self.trainer_devices = devices[config.num_standalone_devices :]
@@ -306,6 +316,8 @@ class AsyncGRPODriver:
             hybrid_active=self.controller.is_hybrid_active,
             metrics=cycle,
         )
+        if self.observer is not None:
+            self.observer(report)
         logger.info(
             "async step %d: reward %.3f, waited %.2f s, hybrid %s, mq %d",
             step,

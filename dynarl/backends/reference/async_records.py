@@ -29,7 +29,7 @@ class AsyncConfig:
     """Prompt groups per training step (the batch: ``num_groups × group_size`` samples)."""
     max_staleness: int = 1
     """A sample trains at version v only if every token was generated at v - this or later."""
-    queue_batches: float = 1.5
+    queue_batches: float = 2.0
     """The message queue's bound, in batches: samples buffered plus in generation."""
     concurrent_samples_per_replica: int = 16
     """s: turns one rollout engine is given at a time."""
@@ -136,8 +136,9 @@ class AsyncRunResult:
     """Hybrid activations."""
     deactivations: int
     """Hybrid deactivations."""
-    aborted: int
-    """Requests aborted on hybrid replicas and resumed on standalone engines."""
+    aborted: tuple[tuple[str, int, int], ...]
+    """(request id, tokens generated so far, trainer version) of every request aborted on
+    a hybrid replica at a deactivation and resumed on a standalone engine."""
     rebalanced: int
     """Requests aborted and re-dispatched by rebalances."""
     replica_log: tuple[tuple[str, int], ...]

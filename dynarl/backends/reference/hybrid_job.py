@@ -9,10 +9,11 @@ controller makes every move. Runs on the caller's event loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from dynarl.backends.reference.async_driver import AsyncGRPODriver
-from dynarl.backends.reference.async_records import AsyncConfig, AsyncRunResult
+from dynarl.backends.reference.async_records import AsyncConfig, AsyncRunResult, AsyncStepReport
 from dynarl.backends.reference.learner import ReferenceTrainer
 from dynarl.backends.reference.serving import ReferenceRollout
 from dynarl.backends.reference.setup import ReferenceSetup
@@ -50,15 +51,18 @@ async def run_async(
     *,
     run_dir: str,
     runtime: RuntimeConfig | None = None,
+    observer: Callable[[AsyncStepReport], None] | None = None,
 ) -> AsyncRunResult:
     """Run ``config`` on a fresh job in ``run_dir``; dynarl's own scheduler only observes
-    (the hybrid controller makes every move). Raises BackendError and the job's start-up
-    errors."""
+    (the hybrid controller makes every move); ``observer`` gets every step's report.
+
+    Raises BackendError and the job's start-up errors.
+    """
     runtime = runtime or RuntimeConfig()
     runtime = replace(runtime, scheduler=replace(runtime.scheduler, observe_only=True))
     job_config = JobConfig(num_devices=config.num_devices, run_dir=run_dir, runtime=runtime)
     async with Job(async_components(setup, config), job_config) as job:
-        driver = AsyncGRPODriver(job, setup, config)
+        driver = AsyncGRPODriver(job, setup, config, observer=observer)
         reports = await driver.run(config.num_steps)
         wall = driver.clock.now() - driver.origin
     origin = driver.origin
@@ -73,7 +77,7 @@ async def run_async(
         staleness=driver.queue.stats.summary(),
         activations=driver.controller.activate_count,
         deactivations=driver.controller.deactivate_count,
-        aborted=driver.replicas.aborted,
+        aborted=tuple(driver.replicas.aborted),
         rebalanced=driver.replicas.rebalanced,
         replica_log=tuple(driver.replicas.log),
         timeline=tuple(timeline),

@@ -67,8 +67,9 @@ class JobReplicas:
         self._version, self._wait, self._on_change = version, wait_for_samples, on_change
         self.log: list[tuple[str, int]] = []
         """(operation, trainer weight version) in the order performed."""
-        self.aborted = 0
-        """Requests aborted on hybrid replicas (deactivation) and resumed elsewhere."""
+        self.aborted: list[tuple[str, int, int]] = []
+        """(request id, tokens generated so far, trainer version) of every request aborted
+        on a hybrid replica at a deactivation (and resumed on a standalone engine)."""
         self.rebalanced = 0
         """Requests aborted and re-dispatched by rebalances."""
         self.timeline: list[tuple[float, dict[str, int]]] = []
@@ -146,7 +147,8 @@ class JobReplicas:
         dispatcher = self.dispatcher
         partials = await dispatcher.abort_inflight(self.hybrid)
         await dispatcher.redispatch(partials, self.standalone)
-        self.aborted += len(partials)
+        version = self._version()
+        self.aborted += [(p.request_id, len(p.generated), version) for p in partials]
         logger.info("%d requests aborted on hybrid replicas, resumed", len(partials))
 
     async def sleep_replicas(self) -> None:
