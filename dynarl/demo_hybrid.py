@@ -122,7 +122,8 @@ async def _runs(
                 f"  {label} step {report.step + 1}: reward {report.mean_reward:.3f}, "
                 f"{report.wall_s:.2f} s (waited {report.wait_s:.2f} s), "
                 f"hybrid {'active' if report.hybrid_active else 'asleep'}, "
-                f"queue {report.metrics.get('dynamic_resource/mq_size', 0):.0f}"
+                f"queue {report.metrics.get('dynamic_resource/mq_size', 0):.0f}",
+                soft_wrap=True,
             )
 
         out.append(

@@ -15,39 +15,22 @@ the hybrid run's reward curve is within the stated tolerance of the standalone r
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
 from dynarl.backends.reference import AsyncConfig, AsyncRunResult, compare_curves, group_means
-from dynarl.backends.reference.experiment import ExperimentConfig, prepare_setup
+from dynarl.backends.reference.experiment import prepare_setup
 from dynarl.backends.reference.hybrid_job import run_async
 from dynarl.runtime.wire import decode_versions
+from reference_support import SMALL_JOB, shared_cache
 
 pytestmark = pytest.mark.dist
 
-CONFIG = ExperimentConfig(
-    num_devices=2,
-    task="tool_calc",
-    group_size=4,
-    hidden_size=64,
-    num_layers=2,
-    max_response_tokens=64,
-    tool_median_s=0.1,
-    tool_sigma=0.3,
-    lr=1e-3,
-    sft_steps=100,
-    deterministic=False,
-)
+CONFIG = SMALL_JOB
 PIPELINE = AsyncConfig(
     num_steps=5, num_groups=4, max_staleness=1, concurrent_samples_per_replica=8,
 )  # fmt: skip
 LAST_K = 3
-
-
-def shared_cache(factory: pytest.TempPathFactory) -> Path:
-    """One warm start per test session for this configuration (the key tells them apart)."""
-    return factory.getbasetemp() / "reference-warm-start"
 
 
 @pytest.fixture(scope="module")
