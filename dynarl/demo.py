@@ -63,9 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mode",
-        choices=("standalone", "hybrid"),
-        default="standalone",
-        help="standalone rollout and trainer components, or hybrid: asynchronous GRPO with "
+        choices=("sync", "hybrid"),
+        default="sync",
+        help="sync: GRPO under dynarl and static schedules; hybrid: asynchronous GRPO with "
         "hybrid rollout replicas on the trainer's devices (seed 004, dynarl.demo_hybrid)",
     )
     parser.add_argument("--no-live", action="store_true", help="plain log lines, no live view")

@@ -16,11 +16,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from reference_support import SMALL_JOB, shared_cache
 
 from dynarl.backends.reference import RunPlan, Schedule, compare_curves, group_means
 from dynarl.backends.reference.experiment import RunResult, prepare_setup, run_plan
-
-from reference_support import SMALL_JOB, shared_cache
 
 pytestmark = pytest.mark.dist
 
