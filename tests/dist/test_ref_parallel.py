@@ -80,7 +80,9 @@ def _worker(rank: int, store_path: str, out_path: str) -> None:
         for name, (tp, dp, train) in layouts.items():
             trainer = Trainer(model, train, tp_group=tp, dp_group=dp)
             for batch in _batches(model.vocab_size):
-                samples = [TrainSample(tokens=t, loss_mask=m, advantage=a) for t, m, a in batch]
+                samples = [
+                    TrainSample(tokens=t, loss_mask=m, advantage=a) for t, m, a in batch
+                ]
                 trainer.train_step(samples)
             states[name] = trainer.full_state()
             timings[name + "_s"] = time.perf_counter() - started - sum(timings.values())
@@ -88,13 +90,9 @@ def _worker(rank: int, store_path: str, out_path: str) -> None:
         fast2 = states["tp1dp2fast"]
         result = {
             "rank": rank,
-            "dp2_params_bitwise": all(
-                torch.equal(ref.params[k], dp2.params[k]) for k in ref.params
-            ),
+            "dp2_params_bitwise": all(torch.equal(ref.params[k], dp2.params[k]) for k in ref.params),
             "dp2_checksum_equal": state_checksum(ref) == state_checksum(dp2),
-            "tp2_params_bitwise": all(
-                torch.equal(ref.params[k], tp2.params[k]) for k in ref.params
-            ),
+            "tp2_params_bitwise": all(torch.equal(ref.params[k], tp2.params[k]) for k in ref.params),
             "tp2_max_abs_diff": max(
                 float((ref.params[k] - tp2.params[k]).abs().max()) for k in ref.params
             ),
@@ -127,9 +125,7 @@ def test_dp2_is_bitwise_dp1_and_tp2_is_close_to_tp1(tmp_path: Path) -> None:
                 proc.join(timeout=10)
     assert [proc.exitcode for proc in procs] == [0, 0]
     results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
-    print(
-        "TP=2 vs TP=1 max |param diff| after", NUM_STEPS, "steps:", results[0]["tp2_max_abs_diff"]
-    )
+    print("TP=2 vs TP=1 max |param diff| after", NUM_STEPS, "steps:", results[0]["tp2_max_abs_diff"])
     print("fast-mode DP=2 vs DP=1 max |param diff|:", results[0]["fast_dp2_max_abs_diff"])
     print("worker timings:", results[0]["timings"])
     for result in results:
