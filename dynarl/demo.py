@@ -63,9 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mode",
-        choices=("standalone",),
-        default="standalone",
-        help="standalone rollout and trainer components (hybrid: not available yet)",
+        choices=("sync", "hybrid"),
+        default="sync",
+        help="sync: GRPO under dynarl and static schedules; hybrid: asynchronous GRPO with "
+        "hybrid rollout replicas on the trainer's devices (seed 004, dynarl.demo_hybrid)",
     )
     parser.add_argument("--no-live", action="store_true", help="plain log lines, no live view")
     parser.add_argument("--verbose", action="store_true", help="log the runtime's INFO lines")
@@ -87,6 +88,10 @@ def _config(args: argparse.Namespace) -> Any:
 
 def main(args: argparse.Namespace) -> int:
     """Run the demo (the ``dynarl demo`` handler); the exit status."""
+    if args.mode == "hybrid":
+        from dynarl.demo_hybrid import main as hybrid_main
+
+        return hybrid_main(args)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -38,6 +38,7 @@ LANGUAGES = EXECUTED | {"toml", "json", "text"}
 SKIPPED: dict[str, str] = {
     r"make demo": "runs the whole demo; tests/unit/test_demo.py runs it",
     r"make test": "this very suite",
+    r"\.venv/bin/dynarl demo --mode hybrid": "tests/unit/test_demo_hybrid.py runs it (slow)",
     r"bash examples/torchrun_two_node\.sh": "tests/dist/test_examples_launch.py runs it",
     r"\.venv/bin/python examples/custom_loop\.py.*": "tests/dist/test_runtime_launch.py runs it",
     r"\.venv/bin/python examples/workloads/calibrate\.py": "rewrites the shipped workload files",

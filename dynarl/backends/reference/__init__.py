@@ -15,6 +15,12 @@
   resharding, weight sync planned by ``dynarl.migrate``), configured by one
   :class:`ReferenceSetup`; :class:`GRPODriver` runs GRPO on a ``dynarl.Job`` under a
   :class:`Schedule` (dynarl, static sequential, static split);
+* asynchronous GRPO with hybrid replicas (seed 004): :class:`AsyncGRPODriver` (a
+  bounded :class:`MessageQueue` with a per-token staleness gate between rollout and
+  trainer; trainer devices serve as hybrid rollout replicas through :class:`JobReplicas`
+  under ``dynarl.sched.HybridController``), :func:`run_async` (:class:`AsyncConfig`,
+  :class:`AsyncRunResult`) — what ``dynarl demo --mode hybrid`` runs;
+  :func:`compare_curves` tests that two non-bitwise runs' curves agree within noise;
 * experiments: :func:`run_plan` runs the job once under a :class:`RunPlan` on a fresh
   ``dynarl.Job``, :func:`compare` sets dynarl against the static schedules
   (:class:`ExperimentConfig`, :class:`RunResult`, :class:`Comparison`) — what
@@ -26,6 +32,8 @@ Importing this package imports Megatron-core (after applying the CPU shim).
 from __future__ import annotations
 
 from dynarl.backends.reference.accumulate import GradientBook
+from dynarl.backends.reference.async_driver import AsyncGRPODriver
+from dynarl.backends.reference.async_records import AsyncConfig, AsyncRunResult, AsyncStepReport
 from dynarl.backends.reference.decoder import Decoder, DecoderRows
 from dynarl.backends.reference.driver import GRPODriver
 from dynarl.backends.reference.engine import EngineConfig, RolloutEngine
@@ -50,6 +58,8 @@ from dynarl.backends.reference.grpo import (
     per_target,
     policy_loss,
 )
+from dynarl.backends.reference.hybrid_job import async_components, run_async
+from dynarl.backends.reference.hybrid_replicas import JobReplicas
 from dynarl.backends.reference.kvcache import KVPool, KVPoolShape
 from dynarl.backends.reference.learner import ReferenceTrainer
 from dynarl.backends.reference.logprob import LogProbWorker
@@ -101,6 +111,13 @@ from dynarl.backends.reference.smoke import (
     run_grpo,
     sft_samples,
 )
+from dynarl.backends.reference.staleness import (
+    MessageQueue,
+    StalenessStats,
+    group_admissible,
+    sample_staleness,
+    token_versions,
+)
 from dynarl.backends.reference.tasks import (
     ChainSumTask,
     Problem,
@@ -109,6 +126,7 @@ from dynarl.backends.reference.tasks import (
     environment_mask,
 )
 from dynarl.backends.reference.tokenizer import CharTokenizer
+from dynarl.backends.reference.tolerance import CurveComparison, compare_curves, group_means
 from dynarl.backends.reference.tools import Calculator, ToolLatency, ToolResult, ToolWorker
 from dynarl.backends.reference.trainer import (
     StepStats,
@@ -124,10 +142,15 @@ from dynarl.backends.reference.weights import (
 )
 
 __all__ = [
+    "AsyncConfig",
+    "AsyncGRPODriver",
+    "AsyncRunResult",
+    "AsyncStepReport",
     "Calculator",
     "ChainSumTask",
     "CharTokenizer",
     "Comparison",
+    "CurveComparison",
     "Decoder",
     "DecoderRows",
     "DriverProgress",
@@ -143,9 +166,11 @@ __all__ = [
     "GenerationOutput",
     "GenerationRequest",
     "GradientBook",
+    "JobReplicas",
     "KVPool",
     "KVPoolShape",
     "LogProbWorker",
+    "MessageQueue",
     "ParallelGPT",
     "ParamShard",
     "PendingRequest",
@@ -168,6 +193,7 @@ __all__ = [
     "Schedule",
     "SmokeConfig",
     "SmokeResult",
+    "StalenessStats",
     "StepRecord",
     "StepReport",
     "StepStats",
@@ -181,11 +207,15 @@ __all__ = [
     "TrainSample",
     "Trainer",
     "TrainerState",
+    "async_components",
     "check_full_state",
     "collect_rollouts",
     "compare",
+    "compare_curves",
     "environment_mask",
+    "group_admissible",
     "group_advantages",
+    "group_means",
     "kl_k3",
     "load_weights_file",
     "local_world",
@@ -199,8 +229,10 @@ __all__ = [
     "prepare_setup",
     "profiles_from",
     "reference_components",
+    "run_async",
     "run_grpo",
     "run_plan",
+    "sample_staleness",
     "sample_tokens",
     "sampling_uniform",
     "save_weights_file",
@@ -208,6 +240,7 @@ __all__ = [
     "solo_process_group",
     "state_checksum",
     "sync_plan",
+    "token_versions",
     "trainer_state_layout",
     "warm_start",
 ]

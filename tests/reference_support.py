@@ -1,0 +1,30 @@
+"""A small reference job shared by the asynchronous and tolerance tests (one warm start)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dynarl.backends.reference.experiment import ExperimentConfig
+
+SMALL_JOB = ExperimentConfig(
+    num_devices=2,
+    task="tool_calc",
+    group_size=4,
+    hidden_size=64,
+    num_layers=2,
+    max_response_tokens=64,
+    tool_median_s=0.1,
+    tool_sigma=0.3,
+    lr=1e-3,
+    sft_steps=100,
+    deterministic=False,
+)
+"""Two devices, the calculator task, a 64-wide GPT warmed up by 100 supervised steps,
+not deterministic (asynchronous or statistical comparisons only)."""
+
+
+def shared_cache(factory: pytest.TempPathFactory) -> Path:
+    """One warm start per test session (the configuration's key tells warm starts apart)."""
+    return factory.getbasetemp() / "reference-warm-start"
