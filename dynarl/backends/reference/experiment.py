@@ -109,7 +109,15 @@ class ExperimentConfig:
     """Least time between two of the scheduler's moves, seconds."""
     resume_where_left: bool = True
     """dynarl: a rollout starts where the scheduler left the trainer at the end of the
-    last one (False: on every device, the trainer growing and shrinking at each step)."""
+    last one, the first where the trainer was created, on its home device (False: on
+    every device, the trainer growing and shrinking at each step)."""
+    move_cost_s: float = 0.2
+    """dynarl: seconds one trainer move (grow or shrink) is assumed to cost until the
+    driver has measured one; it grows the trainer at the barrier only when that saves
+    more learning time than a grow and a shrink cost."""
+    always_grow: bool = False
+    """dynarl: grow the trainer onto every device at each barrier whatever it costs
+    (exercises the P2P reshards; tests)."""
 
     def __post_init__(self) -> None:
         if self.num_devices < 2:
@@ -119,6 +127,8 @@ class ExperimentConfig:
                 raise ValueError(f"ExperimentConfig.{name} must be >= 1")
         if self.sft_steps < 0 or self.tool_median_s < 0 or self.tool_sigma < 0:
             raise ValueError("ExperimentConfig: sft_steps and tool latency must be >= 0")
+        if self.move_cost_s < 0:
+            raise ValueError(f"ExperimentConfig.move_cost_s must be >= 0, got {self.move_cost_s}")
 
     def setup(self) -> ReferenceSetup:
         """The job's :class:`ReferenceSetup` (without initial weights)."""
@@ -275,6 +285,8 @@ async def run_plan(
             num_prompts=config.num_prompts,
             observer=forward,
             resume_where_left=config.resume_where_left,
+            move_cost_s=config.move_cost_s,
+            always_grow=config.always_grow,
         )
         await driver.prepare()
         clock = job.scheduler.clock
