@@ -12,12 +12,14 @@ CPU:
   the barriers), as colocated RL frameworks do;
 * every static split of the devices (a sweep): some generate, the others train,
   learning each prompt group as soon as it is complete;
-* dynarl: starts like sequential; when the scheduler sees rollout engines idle (tool
-  waits, the tail of long episodes), it moves a device to the trainer (workload
-  migration: in-flight generations are aborted and resumed on the other engine), which
-  learns the complete prompt groups at once; at the barrier the trainer grows by P2P
-  migration when enough is left to learn, and shrinks back after the step; the next
-  rollout starts where the scheduler left the trainer.
+* dynarl: starts where the components were created (the trainer on its home device,
+  the rollout on the others); when the scheduler sees rollout engines idle (tool waits,
+  the tail of long episodes) while the trainer has none, it moves a device to the
+  trainer (workload migration: in-flight generations are aborted and resumed on the
+  other engine), which learns the complete prompt groups at once; at the barrier the
+  trainer grows by P2P migration only when the learning time that saves (measured)
+  exceeds what a grow and a shrink cost (measured), and shrinks back after the step;
+  the next rollout starts where the scheduler left the trainer.
 
 Where the gain comes from: rollout engines idle while episodes wait for the calculator
 and while the last episodes finish; the trainer's work on complete groups fills that

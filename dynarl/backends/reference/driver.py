@@ -14,13 +14,15 @@ token, reward and parameter — is the same under every :class:`Schedule`:
   every device generates again (roles switch at the barriers, sleeping with their state);
 * ``split``: a fixed partition — ``num_rollout_devices`` generate, the others train
   (learning micro-batches while the rollout runs), no moves at all;
-* ``dynarl``: starts like sequential, but while the rollout runs the scheduler may take
-  devices from it (tool waits and a tail leave engines idle) and give them to the trainer,
-  which starts learning the complete micro-batches at once; at the barrier the trainer
-  grows onto every device by P2P migration (unless what is left is at most one
-  micro-batch per trainer device) and shrinks back to its home device after the step.
-  The next rollout starts where the scheduler left the trainer (``resume_where_left``):
-  on its home device if the scheduler had given it one, else on no device. The scheduler
+* ``dynarl``: while the rollout runs the scheduler may take devices from it (tool waits
+  and a tail leave engines idle) and give them to the trainer, which starts learning the
+  complete micro-batches at once; at the barrier the trainer grows onto every device by
+  P2P migration when the learning time that saves exceeds the cost of a grow and a
+  shrink (both measured in the run) and shrinks back to its home device after the step.
+  A rollout starts where the scheduler left the trainer (``resume_where_left``): on its
+  home device if the scheduler had given it one, else on no device; the first one where
+  the trainer was created, on its home device (without ``resume_where_left``: every
+  rollout, the first too, starts on every device, like sequential). The scheduler
   acts only during the rollout phase (observe-only otherwise, so it never races the
   barrier). Every trainer reshard the driver makes is checked: the state's checksum is
   the same before and after.
@@ -44,6 +46,7 @@ from dynarl.backends.reference.plan import (
     RunPlan,
     Schedule,
     StepReport,
+    grow_pays,
 )
 from dynarl.backends.reference.setup import ReferenceSetup
 from dynarl.backends.reference.tools import ToolWorker
@@ -211,22 +214,16 @@ class GRPODriver:
         await self._reach(plan.learner_phase())
 
     def _worth_growing(self, remaining: int, held: int) -> bool:
-        """Whether growing the trainer from ``held`` devices onto every device saves more
-        learning time on the ``remaining`` micro-batches than the grow and the shrink
-        after the step cost, both as measured in this run (the learn time per
-        micro-batch of the last call, the mean of the driver's moves, ``move_cost_s``
-        before the first). Before any learn call it grows when a held device would
-        learn more than one."""
-        total = self.plan.num_devices
-        if remaining <= 0 or held >= total:
-            return False
-        if self._micro_s is None or self.always_grow:
-            return remaining > held
-        saved = self._micro_s * (math.ceil(remaining / held) - math.ceil(remaining / total))
+        """:func:`grow_pays` with what this run measured (the learn time per micro-batch
+        of the last call, the mean of the driver's moves, ``move_cost_s`` before one)."""
         move = statistics.fmean(self._move_s) if self._move_s else self.move_cost_s
-        cost = 2.0 * move
-        logger.debug("grow the trainer? saves %.3f s, costs %.3f s", saved, cost)
-        return saved > cost
+        return grow_pays(
+            remaining=remaining,
+            held=held,
+            total=self.plan.num_devices,
+            micro_s=None if self.always_grow else self._micro_s,
+            move_s=move,
+        )
 
     async def _checksum(self) -> str:
         results = await self.job.call("trainer", "checksum")
