@@ -110,10 +110,10 @@ class GRPODriver:
         self._micro_s: float | None = None
         """Seconds one trainer rank took per micro-batch in its last learn call."""
         self._move_s: list[float] = []
-        """Seconds of every move the driver made (measured, this run)."""
+        """Seconds of every trainer reshard (P2P grow or shrink) the driver made."""
         self.move_cost_s = move_cost_s
-        """dynarl: what one move of the trainer is assumed to cost until the driver has
-        measured one (then the mean of its measured moves counts)."""
+        """dynarl: what one reshard of the trainer is assumed to cost until the driver
+        has measured one (then the mean of its measured reshards counts)."""
         self.always_grow = always_grow
         """dynarl: grow the trainer onto every device at each barrier, whatever it costs."""
 
@@ -167,8 +167,8 @@ class GRPODriver:
             outcome = await self.job.reallocate(target)
             self._progress()
             if outcome.ok:
-                self._move_s.append(time.perf_counter() - began)
                 if reshard:
+                    self._move_s.append(time.perf_counter() - began)
                     after = await self._checksum()
                     if after != checksum:
                         raise IntegrityError(
@@ -215,7 +215,7 @@ class GRPODriver:
 
     def _worth_growing(self, remaining: int, held: int) -> bool:
         """:func:`grow_pays` with what this run measured (the learn time per micro-batch
-        of the last call, the mean of the driver's moves, ``move_cost_s`` before one)."""
+        of the last call, the mean of the driver's reshards, ``move_cost_s`` before one)."""
         move = statistics.fmean(self._move_s) if self._move_s else self.move_cost_s
         return grow_pays(
             remaining=remaining,

@@ -112,8 +112,8 @@ class ExperimentConfig:
     last one, the first where the trainer was created, on its home device (False: on
     every device, the trainer growing and shrinking at each step)."""
     move_cost_s: float = 0.2
-    """dynarl: seconds one trainer move (grow or shrink) is assumed to cost until the
-    driver has measured one; it grows the trainer at the barrier only when that saves
+    """dynarl: seconds one trainer reshard (a P2P grow or shrink) is assumed to cost until
+    the driver has measured one; it grows the trainer at the barrier only when that saves
     more learning time than a grow and a shrink cost."""
     always_grow: bool = False
     """dynarl: grow the trainer onto every device at each barrier whatever it costs
