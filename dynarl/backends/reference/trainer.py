@@ -219,16 +219,7 @@ class Trainer:
             total = self._ordered_sum(self._micro_rows(mine, loss_fn, normalizer), len(micros))
         else:
             total = self._all_reduced(mine, loss_fn, normalizer)
-        self._set_grads(total[: self._numel])
-        grad_norm = self._grad_norm()
-        if self.config.max_grad_norm is not None and grad_norm > self.config.max_grad_norm:
-            scale = self.config.max_grad_norm / (grad_norm + 1e-6)
-            for param in self._params:
-                assert param.grad is not None
-                param.grad.mul_(scale)
-        self.optimizer.step()
-        self.version += 1
-        loss, kl, clipped = total[self._numel :].tolist()
+        grad_norm, (loss, kl, clipped) = self._optimizer_step(total)
         return StepStats(
             version=self.version,
             loss=loss,
@@ -238,6 +229,20 @@ class Trainer:
             num_samples=len(samples),
             grad_norm=grad_norm,
         )
+
+    def _optimizer_step(self, total: torch.Tensor) -> tuple[float, list[float]]:
+        """Install ``total``'s flat gradient, clip it, step; (grad norm, its scalars)."""
+        self._set_grads(total[: self._numel])
+        grad_norm = self._grad_norm()
+        if self.config.max_grad_norm is not None and grad_norm > self.config.max_grad_norm:
+            scale = self.config.max_grad_norm / (grad_norm + 1e-6)
+            for param in self._params:
+                assert param.grad is not None
+                param.grad.mul_(scale)
+        self.optimizer.step()
+        self.version += 1
+        scalars: list[float] = total[self._numel :].tolist()
+        return grad_norm, scalars
 
     # ------------------------------------------------------------------ streamed steps
     def micro_gradient(self, micro: Sequence[TrainSample], *, num_samples: int) -> torch.Tensor:
@@ -271,16 +276,7 @@ class Trainer:
         a row of the wrong size."""
         if total.shape != (self._numel + _NUM_SCALARS,):
             raise ValueError(f"gradient row has shape {tuple(total.shape)}, expected one flat row")
-        self._set_grads(total[: self._numel])
-        grad_norm = self._grad_norm()
-        if self.config.max_grad_norm is not None and grad_norm > self.config.max_grad_norm:
-            scale = self.config.max_grad_norm / (grad_norm + 1e-6)
-            for param in self._params:
-                assert param.grad is not None
-                param.grad.mul_(scale)
-        self.optimizer.step()
-        self.version += 1
-        loss, kl, clipped = total[self._numel :].tolist()
+        grad_norm, (loss, kl, clipped) = self._optimizer_step(total)
         return StepStats(
             version=self.version,
             loss=loss,
