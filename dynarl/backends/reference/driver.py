@@ -19,10 +19,10 @@ token, reward and parameter — is the same under every :class:`Schedule`:
   complete micro-batches at once; at the barrier the trainer grows onto every device by
   P2P migration when the learning time that saves exceeds the cost of a grow and a
   shrink (both measured in the run) and shrinks back to its home device after the step.
-  A rollout starts where the scheduler left the trainer (``resume_where_left``): on its
-  home device if the scheduler had given it one, else on no device; the first one where
-  the trainer was created, on its home device (without ``resume_where_left``: every
-  rollout, the first too, starts on every device, like sequential). The scheduler
+  By default every rollout starts on every device, like sequential; with
+  ``resume_where_left`` a rollout starts where the scheduler left the trainer (on its
+  home device if the scheduler had given it one, else on no device), the first one
+  where the trainer was created, on its home device. The scheduler
   acts only during the rollout phase (observe-only otherwise, so it never races the
   barrier). Every trainer reshard the driver makes is checked: the state's checksum is
   the same before and after.
@@ -82,7 +82,7 @@ class GRPODriver:
         num_prompts: int,
         chunk_micros: int = 1,
         observer: Observer | None = None,
-        resume_where_left: bool = True,
+        resume_where_left: bool = False,
         move_cost_s: float = 0.2,
         always_grow: bool = False,
     ) -> None:
