@@ -115,7 +115,7 @@ def sim_workload(
     Measured by the static-sequential run: the trainer's tokens per device-second, tool
     calls and generated tokens per turn, weight-sync and phase-switch times. Measured here
     (:func:`decode_constants`): the engine's decode step. From the configuration: batch,
-    KV capacity, the calculator's latency (its 2 s cap as the tool timeout), the
+    KV capacity, the calculator's latency (its cap as the tool timeout), the
     scheduler's thresholds. Estimated: migration pauses (0.1 s workload, 0.15 s P2P).
     """
     steps = measured.steps
@@ -190,7 +190,7 @@ def sim_workload(
             "mean_tool_calls": calls,
             "max_tool_calls": 2 * config.max_products - 1,
             "turn_decay": 1.0,
-            "tool_timeout_s": 2.0,
+            "tool_timeout_s": config.tool_max_s,
             "tool_latency_median_s": config.tool_median_s,
             "tool_latency_sigma": config.tool_sigma,
             "observation_median": observation,

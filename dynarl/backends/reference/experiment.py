@@ -92,8 +92,10 @@ class ExperimentConfig:
     """Median calculator latency, seconds (environment time, the same in every run)."""
     tool_sigma: float = 1.0
     """Log-space spread of the calculator latency: most calls are quick, a few take up
-    to 2 s (the cap), so a step's last episodes wait on slow calls while the engines idle —
-    the rollout's tail."""
+    to ``tool_max_s``, so a step's last episodes wait on slow calls while the engines
+    idle — the rollout's tail."""
+    tool_max_s: float = 3.0
+    """Longest calculator call, seconds (the latency distribution's cap)."""
     lr: float = 1e-4
     """RL learning rate."""
     kl_coef: float = 0.01
@@ -132,6 +134,8 @@ class ExperimentConfig:
                 raise ValueError(f"ExperimentConfig.{name} must be >= 1")
         if self.sft_steps < 0 or self.tool_median_s < 0 or self.tool_sigma < 0:
             raise ValueError("ExperimentConfig: sft_steps and tool latency must be >= 0")
+        if self.tool_max_s < self.tool_median_s:
+            raise ValueError("ExperimentConfig.tool_max_s must be >= tool_median_s")
         if self.move_cost_s < 0:
             raise ValueError(f"ExperimentConfig.move_cost_s must be >= 0, got {self.move_cost_s}")
 
@@ -155,7 +159,9 @@ class ExperimentConfig:
             group_size=self.group_size,
             max_response_tokens=self.max_response_tokens,
             seed=self.seed,
-            tool_latency=ToolLatency(median_s=self.tool_median_s, sigma=self.tool_sigma),
+            tool_latency=ToolLatency(
+                median_s=self.tool_median_s, sigma=self.tool_sigma, max_s=self.tool_max_s
+            ),
         )
 
     def runtime(self) -> RuntimeConfig:
