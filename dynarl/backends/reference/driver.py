@@ -162,14 +162,15 @@ class GRPODriver:
             before = self.job.allocation.devices("trainer")
             reshard = bool(before) and bool(target.devices("trainer"))
             reshard &= set(before) != set(target.devices("trainer"))
-            checksum = await self._checksum() if reshard else ""
             began = time.perf_counter()
+            checksum = await self._checksum() if reshard else ""
             outcome = await self.job.reallocate(target)
             self._progress()
             if outcome.ok:
                 if reshard:
-                    self._move_s.append(time.perf_counter() - began)
                     after = await self._checksum()
+                    # What the reshard cost this run, its integrity check included.
+                    self._move_s.append(time.perf_counter() - began)
                     if after != checksum:
                         raise IntegrityError(
                             f"trainer state changed across its reshard {list(before)} -> "

@@ -88,13 +88,13 @@ class ExperimentConfig:
     """tool_calc: most products per prompt (2k - 1 calculator calls for k products)."""
     max_operand: int = 9
     """tool_calc: largest operand."""
-    tool_median_s: float = 0.15
+    tool_median_s: float = 0.2
     """Median calculator latency, seconds (environment time, the same in every run)."""
     tool_sigma: float = 1.0
     """Log-space spread of the calculator latency: most calls are quick, a few take up
     to ``tool_max_s``, so a step's last episodes wait on slow calls while the engines
     idle — the rollout's tail."""
-    tool_max_s: float = 3.0
+    tool_max_s: float = 4.0
     """Longest calculator call, seconds (the latency distribution's cap)."""
     lr: float = 1e-4
     """RL learning rate."""
