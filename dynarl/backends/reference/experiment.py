@@ -88,7 +88,7 @@ class ExperimentConfig:
     """tool_calc: most products per prompt (2k - 1 calculator calls for k products)."""
     max_operand: int = 9
     """tool_calc: largest operand."""
-    tool_median_s: float = 0.2
+    tool_median_s: float = 0.15
     """Median calculator latency, seconds (environment time, the same in every run)."""
     tool_sigma: float = 1.0
     """Log-space spread of the calculator latency: most calls are quick, a few take up
