@@ -12,16 +12,24 @@ CPU:
   the barriers), as colocated RL frameworks do;
 * every static split of the devices (a sweep): some generate, the others train,
   learning each prompt group as soon as it is complete;
-* dynarl: starts like sequential; when the scheduler sees rollout engines idle (tool
-  waits, the tail of long episodes), it moves a device to the trainer (workload
-  migration: in-flight generations are aborted and resumed on the other engine), which
-  learns the complete prompt groups at once; at the barrier the trainer grows by P2P
-  migration when enough is left to learn, and shrinks back after the step; the next
-  rollout starts where the scheduler left the trainer.
+* dynarl: every rollout starts on every device, like sequential (its bulk is
+  compute-bound: two engines are about twice as fast as one); when the scheduler sees a
+  rollout engine idle (KV utilization under U_low for T seconds: the tail, where the
+  last episodes wait on slow calculator calls) while the trainer has none, it moves a
+  device to the trainer (workload migration: in-flight generations are aborted and
+  resumed on the other engine), which learns the complete prompt groups at once; at the
+  barrier the trainer grows by P2P migration only when the learning time that saves
+  (measured) exceeds what a grow and a shrink cost (measured), and shrinks back after
+  the step.
 
-Where the gain comes from: rollout engines idle while episodes wait for the calculator
-and while the last episodes finish; the trainer's work on complete groups fills that
-time. Nothing sleeps in place of compute, and every schedule gets the same CPU.
+Where the gain comes from: the job's imbalance moves. Early in a rollout generation is
+compute-bound and wants every device (the split, with one engine, is slow there); in
+its tail a few episodes wait on the calculator and one engine is as fast as two
+(sequential's second device idles there, and its trainer then learns everything after
+the rollout). dynarl gives the rollout both devices for the bulk and the trainer one
+for the tail. Nothing sleeps in place of compute (the calculator's latency is the
+environment's, drawn per call and the same in every run), and every schedule gets the
+same CPU.
 
 Live progress (rich) shows the step, episodes done, micro-batches learned and devices per
 component; at the end the side-by-side is printed and the run directory holds

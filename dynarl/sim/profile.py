@@ -220,6 +220,9 @@ def predictor_profiles(workload: Workload) -> dict[str, ComponentProfile]:
         )
     }
     for name, stage in (("inference", w.inference), ("trainer", w.trainer)):
+        if stage.fused:
+            out[name] = ComponentProfile()  # no devices to decide for it
+            continue
         out[name] = ComponentProfile(
             points=tuple(
                 ProfilePoint(num_devices=n, throughput=stage.rate(n) / mean_total)

@@ -215,7 +215,9 @@ class RolloutSpec:
 class StageSpec:
     """A fluid stage (log-prob inference or the trainer): tokens/s as a function of GPUs.
 
-    Throughput on ``n`` GPUs is ``tokens_per_s_per_gpu × n ** scaling_exponent``.
+    Throughput on ``n`` GPUs is ``tokens_per_s_per_gpu × n ** scaling_exponent``. An
+    infinite ``tokens_per_s_per_gpu`` is a stage fused into its neighbour (a trainer that
+    scores its own log-probs): it takes no time and needs no GPU (``min_gpus`` 0).
     """
 
     tp: int
@@ -233,9 +235,18 @@ class StageSpec:
         _non_negative("stage", min_gpus=self.min_gpus)
         if self.min_gpus % self.tp:
             raise ValueError("stage.min_gpus must be a multiple of tp")
+        if self.fused and self.min_gpus:
+            raise ValueError("a fused stage (infinite tokens_per_s_per_gpu) needs min_gpus 0")
+
+    @property
+    def fused(self) -> bool:
+        """Whether the stage takes no time and no GPU (infinite throughput)."""
+        return math.isinf(self.tokens_per_s_per_gpu)
 
     def rate(self, num_gpus: int) -> float:
-        """Tokens per second on ``num_gpus`` GPUs (0 for none)."""
+        """Tokens per second on ``num_gpus`` GPUs (0 for none; infinite when fused)."""
+        if self.fused:
+            return math.inf
         if num_gpus <= 0:
             return 0.0
         return self.tokens_per_s_per_gpu * math.pow(num_gpus, self.scaling_exponent)

@@ -99,8 +99,12 @@ class Stage:
         self.t = now
 
     def add(self, chunk: Chunk) -> None:
-        """Queue work."""
+        """Queue work (a fused stage passes it on at once, as an event of this instant)."""
         self.advance(self.loop.now)
+        if self.spec.fused:
+            self._interval_done += chunk.samples
+            self.loop.at(self.loop.now, lambda: self.on_done(chunk))
+            return
         self.queue.append(chunk)
         self.queued_samples += chunk.samples
         if len(self.queue) == 1:

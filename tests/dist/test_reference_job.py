@@ -65,8 +65,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
             ("split", RunPlan(schedule=Schedule.SPLIT, num_rollout_devices=1), CONFIG),
             ("dynarl", RunPlan(schedule=Schedule.DYNARL), CONFIG),
             # The scheduler never finds a donor (no utilization is below 0): the trainer
-            # wakes at each barrier, grows onto both devices by P2P and shrinks back.
-            ("barrier", RunPlan(schedule=Schedule.DYNARL), replace(CONFIG, util_low=0.0)),
+            # wakes at each barrier, grows onto both devices by P2P and shrinks back
+            # (always: on this tiny job growing would not pay for itself).
+            (
+                "barrier",
+                RunPlan(schedule=Schedule.DYNARL),
+                replace(CONFIG, util_low=0.0, always_grow=True),
+            ),
         ):
             # dynarl's predictor starts from the sequential run's figures (as the demo's).
             profiles = profiles_from(out["sequential"], CONFIG) if out else None

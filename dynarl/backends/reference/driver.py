@@ -14,13 +14,15 @@ token, reward and parameter — is the same under every :class:`Schedule`:
   every device generates again (roles switch at the barriers, sleeping with their state);
 * ``split``: a fixed partition — ``num_rollout_devices`` generate, the others train
   (learning micro-batches while the rollout runs), no moves at all;
-* ``dynarl``: starts like sequential, but while the rollout runs the scheduler may take
-  devices from it (tool waits and a tail leave engines idle) and give them to the trainer,
-  which starts learning the complete micro-batches at once; at the barrier the trainer
-  grows onto every device by P2P migration (unless what is left is at most one
-  micro-batch per trainer device) and shrinks back to its home device after the step.
-  The next rollout starts where the scheduler left the trainer (``resume_where_left``):
-  on its home device if the scheduler had given it one, else on no device. The scheduler
+* ``dynarl``: while the rollout runs the scheduler may take devices from it (tool waits
+  and a tail leave engines idle) and give them to the trainer, which starts learning the
+  complete micro-batches at once; at the barrier the trainer grows onto every device by
+  P2P migration when the learning time that saves exceeds the cost of a grow and a
+  shrink (both measured in the run) and shrinks back to its home device after the step.
+  By default every rollout starts on every device, like sequential; with
+  ``resume_where_left`` a rollout starts where the scheduler left the trainer (on its
+  home device if the scheduler had given it one, else on no device), the first one
+  where the trainer was created, on its home device. The scheduler
   acts only during the rollout phase (observe-only otherwise, so it never races the
   barrier). Every trainer reshard the driver makes is checked: the state's checksum is
   the same before and after.
@@ -33,6 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -42,6 +46,7 @@ from dynarl.backends.reference.plan import (
     RunPlan,
     Schedule,
     StepReport,
+    grow_pays,
 )
 from dynarl.backends.reference.setup import ReferenceSetup
 from dynarl.backends.reference.tools import ToolWorker
@@ -64,7 +69,8 @@ class GRPODriver:
 
     ``chunk_micros``: micro-batches one trainer rank learns per call (short calls let a
     move of the trainer start soon). ``observer`` is called on every change of progress.
-    ``resume_where_left`` (dynarl): see the attribute.
+    ``resume_where_left``, ``move_cost_s``, ``always_grow`` (dynarl): see the attributes. Raises
+    ValueError on a count below 1 or a negative cost.
     """
 
     def __init__(
@@ -76,10 +82,14 @@ class GRPODriver:
         num_prompts: int,
         chunk_micros: int = 1,
         observer: Observer | None = None,
-        resume_where_left: bool = True,
+        resume_where_left: bool = False,
+        move_cost_s: float = 0.2,
+        always_grow: bool = False,
     ) -> None:
         if num_prompts < 1 or chunk_micros < 1:
             raise ValueError("GRPODriver needs num_prompts >= 1 and chunk_micros >= 1")
+        if move_cost_s < 0:
+            raise ValueError(f"GRPODriver needs move_cost_s >= 0, got {move_cost_s}")
         self.job, self.setup, self.plan = job, setup, plan
         self.num_prompts, self.chunk_micros = num_prompts, chunk_micros
         self.observer = observer
@@ -95,13 +105,30 @@ class GRPODriver:
         self._final = False
         self._turns = 0
         self.reshards_verified = 0
-        self._left = False
         """Trainer reshards whose state checksum was checked equal before and after."""
+        self._left = False
+        self._micro_s: float | None = None
+        """Seconds one trainer rank took per micro-batch in its last learn call."""
+        self._move_s: list[float] = []
+        """Seconds of every trainer reshard (P2P grow or shrink) the driver made."""
+        self.move_cost_s = move_cost_s
+        """dynarl: what one reshard of the trainer is assumed to cost until the driver
+        has measured one (then the mean of its measured reshards counts)."""
+        self.always_grow = always_grow
+        """dynarl: grow the trainer onto every device at each barrier, whatever it costs."""
 
     # ------------------------------------------------------------------ phases
 
     async def prepare(self) -> None:
-        """Put the devices in the rollout phase (before the first step's clock starts)."""
+        """Put the devices in the rollout phase (before the first step's clock starts).
+
+        dynarl with ``resume_where_left``: the first rollout starts where the components
+        were created — the trainer on its home device, where it made its state — as
+        every later rollout starts where the scheduler left the trainer; the scheduler
+        moves from there.
+        """
+        if self.plan.schedule is Schedule.DYNARL and self.resume_where_left:
+            self._left = True
         await self._enter_rollout()
         await self._check_versions()
 
@@ -135,12 +162,15 @@ class GRPODriver:
             before = self.job.allocation.devices("trainer")
             reshard = bool(before) and bool(target.devices("trainer"))
             reshard &= set(before) != set(target.devices("trainer"))
+            began = time.perf_counter()
             checksum = await self._checksum() if reshard else ""
             outcome = await self.job.reallocate(target)
             self._progress()
             if outcome.ok:
                 if reshard:
                     after = await self._checksum()
+                    # What the reshard cost this run, its integrity check included.
+                    self._move_s.append(time.perf_counter() - began)
                     if after != checksum:
                         raise IntegrityError(
                             f"trainer state changed across its reshard {list(before)} -> "
@@ -171,19 +201,30 @@ class GRPODriver:
 
     async def _enter_learner(self, remaining: int) -> None:
         """Give the trainer every device for the ``remaining`` micro-batches — unless
-        (dynarl) the trainer already holds devices and they have at most one each left:
-        growing would cost more than it saves."""
+        (dynarl) growing would cost more than it saves (:meth:`_worth_growing`)."""
         plan, now = self.plan, self.job.allocation
         if plan.schedule is Schedule.SPLIT:
             return
-        held = now.devices("trainer")
-        if plan.schedule is Schedule.DYNARL and held and remaining <= len(held):
-            return
-        if plan.schedule is Schedule.DYNARL and not now.devices("trainer"):
-            # Wake the trainer where its state sleeps, then grow it by P2P.
-            rest = tuple(d for d in plan.devices if d not in plan.home)
-            await self._reach(Allocation.of({"rollout": rest, "trainer": plan.home}))
+        if plan.schedule is Schedule.DYNARL:
+            if not now.devices("trainer"):
+                # Wake the trainer where its state sleeps (then maybe grow it by P2P).
+                rest = tuple(d for d in plan.devices if d not in plan.home)
+                await self._reach(Allocation.of({"rollout": rest, "trainer": plan.home}))
+            if not self._worth_growing(remaining, len(self.job.allocation.devices("trainer"))):
+                return
         await self._reach(plan.learner_phase())
+
+    def _worth_growing(self, remaining: int, held: int) -> bool:
+        """:func:`grow_pays` with what this run measured (the learn time per micro-batch
+        of the last call, the mean of the driver's reshards, ``move_cost_s`` before one)."""
+        move = statistics.fmean(self._move_s) if self._move_s else self.move_cost_s
+        return grow_pays(
+            remaining=remaining,
+            held=held,
+            total=self.plan.num_devices,
+            micro_s=None if self.always_grow else self._micro_s,
+            move_s=move,
+        )
 
     async def _checksum(self) -> str:
         results = await self.job.call("trainer", "checksum")
@@ -292,9 +333,12 @@ class GRPODriver:
             limit = len(pending) if self._final else len(devices) * self.chunk_micros
             chunk = pending[:limit]
             samples = [s for g in chunk for s in episodes.micro_batch(g)]
+            began = time.perf_counter()
             results = await self.job.call(
                 "trainer", "learn", samples, num_samples=episodes.num_samples
             )
+            per_rank = math.ceil(len(chunk) / max(1, len(results)))
+            self._micro_s = (time.perf_counter() - began) / per_rank
             for result in results:
                 done = str(result.values.get("computed", ""))
                 self._learned.update(int(g) for g in done.split(",") if g)

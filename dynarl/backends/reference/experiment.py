@@ -70,7 +70,7 @@ class ExperimentConfig:
     """Devices (worker processes) of the job."""
     num_steps: int = 5
     """GRPO steps per run."""
-    num_prompts: int = 16
+    num_prompts: int = 32
     """Prompts per step (one micro-batch each)."""
     seed: int = 0
     """Seeds the model, the problems and sampling: the same in every run."""
@@ -88,10 +88,14 @@ class ExperimentConfig:
     """tool_calc: most products per prompt (2k - 1 calculator calls for k products)."""
     max_operand: int = 9
     """tool_calc: largest operand."""
-    tool_median_s: float = 0.3
+    tool_median_s: float = 0.15
     """Median calculator latency, seconds (environment time, the same in every run)."""
-    tool_sigma: float = 0.6
-    """Log-space spread of the calculator latency."""
+    tool_sigma: float = 1.0
+    """Log-space spread of the calculator latency: most calls are quick, a few take up
+    to ``tool_max_s``, so a step's last episodes wait on slow calls while the engines
+    idle — the rollout's tail."""
+    tool_max_s: float = 4.0
+    """Longest calculator call, seconds (the latency distribution's cap)."""
     lr: float = 1e-4
     """RL learning rate."""
     kl_coef: float = 0.01
@@ -101,15 +105,26 @@ class ExperimentConfig:
     """Supervised warm-start steps before RL."""
     deterministic: bool = True
     """Batch-invariant decoding and fixed-order gradient sums (bitwise-comparable runs)."""
-    util_low: float = 0.3
-    """U_low of the scheduler for this job (KV utilization under which an engine idles)."""
-    donor_window_s: float = 0.5
+    util_low: float = 0.02
+    """U_low of the scheduler for this job (KV utilization under which an engine idles):
+    0.02 of the 4096-token KV capacity is about two running episodes; in the bulk of a
+    rollout an engine holds 0.1-0.3."""
+    donor_window_s: float = 0.4
     """T of the scheduler for this job: seconds an engine idles before it counts."""
     min_move_interval_s: float = 1.0
     """Least time between two of the scheduler's moves, seconds."""
-    resume_where_left: bool = True
+    resume_where_left: bool = False
     """dynarl: a rollout starts where the scheduler left the trainer at the end of the
-    last one (False: on every device, the trainer growing and shrinking at each step)."""
+    last one, the first where the trainer was created, on its home device (False, the
+    default: every rollout starts on every device — its bulk is compute-bound — and the
+    scheduler gives the trainer a device when the tail leaves an engine idle)."""
+    move_cost_s: float = 0.2
+    """dynarl: seconds one trainer reshard (a P2P grow or shrink) is assumed to cost until
+    the driver has measured one; it grows the trainer at the barrier only when that saves
+    more learning time than a grow and a shrink cost."""
+    always_grow: bool = False
+    """dynarl: grow the trainer onto every device at each barrier whatever it costs
+    (exercises the P2P reshards; tests)."""
 
     def __post_init__(self) -> None:
         if self.num_devices < 2:
@@ -119,6 +134,10 @@ class ExperimentConfig:
                 raise ValueError(f"ExperimentConfig.{name} must be >= 1")
         if self.sft_steps < 0 or self.tool_median_s < 0 or self.tool_sigma < 0:
             raise ValueError("ExperimentConfig: sft_steps and tool latency must be >= 0")
+        if self.tool_max_s < self.tool_median_s:
+            raise ValueError("ExperimentConfig.tool_max_s must be >= tool_median_s")
+        if self.move_cost_s < 0:
+            raise ValueError(f"ExperimentConfig.move_cost_s must be >= 0, got {self.move_cost_s}")
 
     def setup(self) -> ReferenceSetup:
         """The job's :class:`ReferenceSetup` (without initial weights)."""
@@ -140,7 +159,9 @@ class ExperimentConfig:
             group_size=self.group_size,
             max_response_tokens=self.max_response_tokens,
             seed=self.seed,
-            tool_latency=ToolLatency(median_s=self.tool_median_s, sigma=self.tool_sigma),
+            tool_latency=ToolLatency(
+                median_s=self.tool_median_s, sigma=self.tool_sigma, max_s=self.tool_max_s
+            ),
         )
 
     def runtime(self) -> RuntimeConfig:
@@ -275,6 +296,8 @@ async def run_plan(
             num_prompts=config.num_prompts,
             observer=forward,
             resume_where_left=config.resume_where_left,
+            move_cost_s=config.move_cost_s,
+            always_grow=config.always_grow,
         )
         await driver.prepare()
         clock = job.scheduler.clock

@@ -7,6 +7,7 @@ anywhere.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ __all__ = [
     "RunPlan",
     "Schedule",
     "StepReport",
+    "grow_pays",
     "reference_components",
 ]
 
@@ -85,6 +87,25 @@ class RunPlan:
         if self.schedule is Schedule.SPLIT:
             return self.rollout_phase()
         return Allocation.of({"rollout": (), "trainer": self.devices})
+
+
+def grow_pays(
+    *, remaining: int, held: int, total: int, micro_s: float | None, move_s: float
+) -> bool:
+    """Whether growing the trainer from ``held`` devices onto ``total`` saves more time
+    learning the ``remaining`` micro-batches (``micro_s`` seconds each on one device)
+    than a grow and the shrink after the step cost (``move_s`` seconds each). Unknown
+    ``micro_s`` (None): grow when a held device would learn more than one. Raises
+    ValueError when ``held`` is below 1.
+    """
+    if held < 1:
+        raise ValueError(f"grow_pays needs held >= 1, got {held}")
+    if remaining <= 0 or held >= total:
+        return False
+    if micro_s is None:
+        return remaining > held
+    saved = micro_s * (math.ceil(remaining / held) - math.ceil(remaining / total))
+    return saved > 2.0 * move_s
 
 
 def reference_components(

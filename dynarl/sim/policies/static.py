@@ -34,10 +34,12 @@ class StaticSequential:
         """Static: nothing to decide."""
 
     def on_event(self, sim: Simulation, event: str, iteration: int, index: int = 0) -> None:
-        """Switch every GPU to the next stage when the current one is done."""
+        """Switch every GPU to the next stage when the current one is done (past a fused
+        inference stage, which needs no GPU)."""
+        fused = sim.workload.inference.fused
         step = {
-            "rollout_done": ("rollout", "inference"),
-            "inference_done": ("inference", "trainer"),
+            "rollout_done": ("rollout", "trainer" if fused else "inference"),
+            "inference_done": None if fused else ("inference", "trainer"),
             "iteration_end": ("trainer", "rollout"),
         }.get(event)
         if step is None:
