@@ -216,7 +216,8 @@ def allocation_timelines(
     ylabel: str = "devices",
 ) -> Path:
     """One panel per ``runs[label] = (times, devices per component, marks)`` (stacked steps
-    as in :func:`allocation_timeline`), every panel on the same time axis."""
+    as in :func:`allocation_timeline`), every panel on the same time axis; each run's
+    area ends (a little after) its own last time, so a shorter run looks shorter."""
     rows = max(1, len(runs))
     end = max((ts[-1] for ts, _, _ in runs.values() if ts), default=1.0)
     with _figure(path, rows=rows, size=(9.0, 2.4)) as (fig, axes):
@@ -224,7 +225,7 @@ def allocation_timelines(
             for name, counts in devices.items():
                 _check(f"{label}/{name}", times, counts)
             if times:
-                xs = [*times, max(end, times[-1]) + 0.02 * max(end, 1.0)]
+                xs = [*times, times[-1] + 0.02 * max(end, 1.0)]
                 names = list(devices)
                 ax.stackplot(
                     xs,
@@ -233,7 +234,7 @@ def allocation_timelines(
                     colors=[color_of(n) for n in names],
                     step="post",
                 )
-                ax.set_xlim(0.0, xs[-1])
+                ax.set_xlim(0.0, end + 0.02 * max(end, 1.0))
                 ax.legend(loc="upper right", fontsize="small", ncol=max(1, len(names)))
             for mark in marks:
                 ax.axvline(mark, color="black", linewidth=0.6, linestyle=":")
