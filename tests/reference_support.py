@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,22 @@ SMALL_JOB = ExperimentConfig(
     deterministic=False,
 )
 """Two devices, the calculator task, a 64-wide GPT warmed up by 100 supervised steps,
-not deterministic (asynchronous or statistical comparisons only)."""
+not deterministic (asynchronous or statistical comparisons; a test may ask for
+deterministic)."""
+
+
+def eager(config: ExperimentConfig, **changes: object) -> ExperimentConfig:
+    """``config`` (with ``changes``) under a scheduler that moves as soon as it can — every
+    engine counts as idle at once, so it moves a device mid-rollout — and with every rollout
+    starting on both devices."""
+    return replace(
+        config,
+        util_low=1.0,
+        donor_window_s=0.1,
+        min_move_interval_s=0.1,
+        resume_where_left=False,
+        **changes,  # type: ignore[arg-type]
+    )
 
 
 def shared_cache(factory: pytest.TempPathFactory) -> Path:

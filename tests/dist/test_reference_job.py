@@ -18,10 +18,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from reference_support import SMALL_JOB, eager
 
 from dynarl.backends.reference import RunPlan, Schedule
 from dynarl.backends.reference.experiment import (
-    ExperimentConfig,
     RunResult,
     compare,
     prepare_setup,
@@ -31,26 +31,8 @@ from dynarl.backends.reference.experiment import (
 
 pytestmark = pytest.mark.dist
 
-CONFIG = ExperimentConfig(
-    num_devices=2,
-    num_steps=2,
-    num_prompts=6,
-    task="tool_calc",
-    group_size=4,
-    hidden_size=64,
-    num_layers=2,
-    max_response_tokens=64,
-    tool_median_s=0.1,
-    tool_sigma=0.3,
-    lr=1e-3,
-    sft_steps=150,
-    # Every engine counts as idle at once: the scheduler moves a device mid-rollout.
-    util_low=1.0,
-    donor_window_s=0.1,
-    min_move_interval_s=0.1,
-    # Every rollout starts on both devices.
-    resume_where_left=False,
-)
+# The shared small job, deterministic, under a scheduler that moves mid-rollout.
+CONFIG = eager(SMALL_JOB, deterministic=True, num_steps=2, num_prompts=6, sft_steps=150)
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,10 @@ per-step losses, |Δ| ≤ 3·SE (no margin) — ``dynarl.backends.reference.comp
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from reference_support import SMALL_JOB, shared_cache
+from reference_support import SMALL_JOB, eager, shared_cache
 
 from dynarl.backends.reference import RunPlan, Schedule, compare_curves, group_means
 from dynarl.backends.reference.experiment import RunResult, prepare_setup, run_plan
@@ -25,15 +24,7 @@ pytestmark = pytest.mark.dist
 
 # The hybrid test's job (same warm start), synchronous, with a scheduler that moves as
 # soon as it can.
-CONFIG = replace(
-    SMALL_JOB,
-    num_steps=3,
-    num_prompts=6,
-    util_low=1.0,
-    donor_window_s=0.1,
-    min_move_interval_s=0.1,
-    resume_where_left=False,
-)
+CONFIG = eager(SMALL_JOB, num_steps=3, num_prompts=6)
 
 
 @pytest.fixture(scope="module")
