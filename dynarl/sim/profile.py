@@ -36,6 +36,7 @@ __all__ = [
     "fit_time_curve",
     "predictor_profiles",
     "rlinf_dp_sizes",
+    "rollout_alone",
     "rollout_time",
     "stage_times",
     "start_partition",
@@ -44,23 +45,32 @@ __all__ = [
 _ROLLOUT_CACHE: dict[tuple[object, ...], float] = {}
 
 
-def rollout_time(workload: Workload, num_gpus: int, iteration: int = 0) -> float:
-    """Seconds rollout alone takes to finish one iteration's batch on ``num_gpus``."""
-    w = workload
-    key = (w.rollout, w.batch, w.lengths, w.agentic, w.seed, w.cluster, num_gpus, iteration)
-    if key in _ROLLOUT_CACHE:
-        return _ROLLOUT_CACHE[key]
+def rollout_alone(
+    workload: Workload, num_gpus: int, iteration: int = 0
+) -> tuple[EventLoop, Rollout]:
+    """An event loop with ``iteration``'s rollout started alone (FIFO) on ``num_gpus``
+    devices; the loop stops when the batch's last sample is done. Run it with ``loop.run``."""
     loop = EventLoop()
-    left = [w.batch.num_samples]
+    left = [workload.batch.num_samples]
 
     def done(_: int, __: int) -> None:
         left[0] -= 1
         if left[0] == 0:
             loop.stop()
 
-    rollout = Rollout(w, loop, FifoPolicy, done)
+    rollout = Rollout(workload, loop, FifoPolicy, done)
     rollout.add_devices(range(num_gpus))
-    rollout.start(build_trace(w, iteration))
+    rollout.start(build_trace(workload, iteration))
+    return loop, rollout
+
+
+def rollout_time(workload: Workload, num_gpus: int, iteration: int = 0) -> float:
+    """Seconds rollout alone takes to finish one iteration's batch on ``num_gpus``."""
+    w = workload
+    key = (w.rollout, w.batch, w.lengths, w.agentic, w.seed, w.cluster, num_gpus, iteration)
+    if key in _ROLLOUT_CACHE:
+        return _ROLLOUT_CACHE[key]
+    loop, _ = rollout_alone(w, num_gpus, iteration)
     loop.run(until=1e7, max_events=400 * w.batch.num_samples * 16)
     _ROLLOUT_CACHE[key] = loop.now
     return loop.now

@@ -30,10 +30,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynarl.sched import FifoPolicy
-from dynarl.sim import load_workload, run_policy, start_partition
-from dynarl.sim.events import EventLoop
-from dynarl.sim.rollout import Rollout
+from dynarl.sim import load_workload, rollout_alone, run_policy, start_partition
 from dynarl.sim.trace import build_trace
 from dynarl.sim.workload import Workload
 
@@ -50,17 +47,7 @@ class Replay:
 def replay(workload: Workload, schedule: tuple[tuple[float, int], ...], iteration: int) -> Replay:
     """Rollout alone under ``schedule`` ((time, devices) steps, the first at time 0)."""
     w = workload
-    loop = EventLoop()
-    left = [w.batch.num_samples]
-
-    def done(_: int, __: int) -> None:
-        left[0] -= 1
-        if left[0] == 0:
-            loop.stop()
-
-    rollout = Rollout(w, loop, FifoPolicy, done)
-    rollout.add_devices(range(schedule[0][1]))
-    rollout.start(build_trace(w, iteration))
+    loop, rollout = rollout_alone(w, schedule[0][1], iteration)
     held = [(0.0, schedule[0][1])]
 
     def shrink(target: int) -> None:

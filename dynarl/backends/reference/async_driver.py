@@ -34,15 +34,17 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from dynarl.backends.reference.async_records import AsyncConfig, AsyncStepReport
 from dynarl.backends.reference.episodes import Episodes, ToolCall
 from dynarl.backends.reference.hybrid_replicas import JobReplicas
-from dynarl.backends.reference.samples import GROUP, SEED_ID
+from dynarl.backends.reference.samples import GROUP, SEED_ID, meta_float
 from dynarl.backends.reference.setup import ReferenceSetup
 from dynarl.backends.reference.staleness import MessageQueue
 from dynarl.backends.reference.tasks import Problem
 from dynarl.backends.reference.tools import ToolWorker
-from dynarl.bus.messages import GenerationRequest, MetaValue, Sample
+from dynarl.bus.messages import GenerationRequest, Sample
 from dynarl.errors import BackendError, DeadlineExceeded
 from dynarl.runtime.job import Job
 from dynarl.runtime.wire import VERSIONS
@@ -300,8 +302,8 @@ class AsyncGRPODriver:
             version=self.version,
             mean_reward=sum(rewards) / len(rewards),
             rewards=rewards,
-            loss=_float(stats.get("loss")),
-            kl=_float(stats.get("kl")),
+            loss=meta_float(stats.get("loss")),
+            kl=meta_float(stats.get("kl")),
             sample_ids=tuple(s.sample_id for s in batch),
             versions=tuple(str(s.metadata.get(VERSIONS, "")) for s in batch),
             resumed=tuple(int(s.metadata.get("resumed", 0) or 0) for s in batch),
@@ -348,17 +350,4 @@ class AsyncGRPODriver:
 
 def _in_micro(sample: Sample, index: int) -> Sample:
     """``sample`` as part of micro-batch ``index`` of a training batch."""
-    meta: dict[str, MetaValue] = {**sample.metadata, GROUP: index}
-    return Sample(
-        sample_id=sample.sample_id,
-        token_ids=sample.token_ids,
-        prompt_len=sample.prompt_len,
-        prompt_id=sample.prompt_id,
-        reward=sample.reward,
-        logprobs=sample.logprobs,
-        metadata=meta,
-    )
-
-
-def _float(value: MetaValue) -> float:
-    return float(value) if isinstance(value, int | float) else float("nan")
+    return msgspec.structs.replace(sample, metadata={**sample.metadata, GROUP: index})

@@ -48,6 +48,7 @@ from dynarl.backends.reference.plan import (
     StepReport,
     grow_pays,
 )
+from dynarl.backends.reference.samples import meta_float
 from dynarl.backends.reference.setup import ReferenceSetup
 from dynarl.backends.reference.tools import ToolWorker
 from dynarl.bus.messages import MetaValue, Sample
@@ -398,9 +399,9 @@ class GRPODriver:
             step=step,
             mean_reward=sum(rewards) / len(rewards),
             rewards=rewards,
-            loss=_float(stats.get("loss")),
-            kl=_float(stats.get("kl")),
-            grad_norm=_float(stats.get("grad_norm")),
+            loss=meta_float(stats.get("loss")),
+            kl=meta_float(stats.get("kl")),
+            grad_norm=meta_float(stats.get("grad_norm")),
             version=self.version,
             checksum=str(stats.get("checksum", "")),
             manifest=tuple(s.sample_id for s in order),
@@ -433,10 +434,6 @@ def _agreed(results: Sequence[CallResult], key: str) -> CallResult:
     if len(values) != 1:
         raise BackendError(f"trainer ranks disagree on {key}: {sorted(values)}")
     return results[0]
-
-
-def _float(value: MetaValue) -> float:
-    return float(value) if isinstance(value, int | float) else float("nan")
 
 
 def _response_len(sample: Sample) -> int:

@@ -26,6 +26,7 @@ __all__ = [
     "TOOL_CALLS",
     "decode_spans",
     "encode_spans",
+    "meta_float",
     "pack_floats",
     "policy_mask",
     "to_train_sample",
@@ -55,6 +56,12 @@ def unpack_floats(data: bytes) -> list[float]:
     """The floats of :func:`pack_floats` bytes."""
     values: list[float] = np.frombuffer(data, dtype="<f4").astype(np.float64).tolist()
     return values
+
+
+def meta_float(value: MetaValue) -> float:
+    """A numeric metadata or call-result value as a float; NaN when it is absent or not a
+    number."""
+    return float(value) if isinstance(value, int | float) else float("nan")
 
 
 def encode_spans(spans: Sequence[tuple[int, int]]) -> str:
