@@ -64,6 +64,11 @@ class CommGroup:
         """Shut the backend down and unregister the group (idempotent)."""
         if self.pg in c10d._world.pg_map:
             dist.destroy_process_group(self.pg)
+        # torch empties the group's tag list but keeps the key: one per name, and every
+        # layout epoch has new names (a job that reshards for days would keep them all).
+        tags = c10d._world.tags_to_pg
+        if not tags.get(f"ptd:{self.name}", True):
+            del tags[f"ptd:{self.name}"]
 
 
 def build_group(
