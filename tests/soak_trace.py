@@ -8,8 +8,10 @@ call starts ``tracemalloc`` (not at start-up: tracing torch's import would outla
 workers' start timeout), every later one dumps a snapshot to ``DIR``.
 :meth:`MemoryTrace.report` compares each process's first and last snapshots by
 traceback (``DIR/report.txt``) and writes the RSS samples per process (``DIR/rss.json``).
-Without the variable :func:`memory_trace` returns None and nothing changes. A debugging
-aid, not a test: it asserts nothing.
+With ``DYNARL_SOAK_TRACE_MODE=malloc`` each call dumps glibc's heap counters
+(``mallinfo2``) instead, reported per process. Without the variable
+:func:`memory_trace` returns None and nothing changes. A debugging aid, not a test: it
+asserts nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import signal
 import tracemalloc
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from soak_support import ResourceSample
 
@@ -27,49 +30,61 @@ FRAMES = 12
 """Frames kept per traced allocation."""
 
 _SITE = """\
-import os, signal, tracemalloc
+import ctypes, json, os, signal, tracemalloc
 _count = [0]
+class _Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "{fields}".split()]
+def _malloc():
+    call = ctypes.CDLL(None).mallinfo2
+    call.restype = _Info
+    info = call()
+    return {{n: getattr(info, n) for n in "{fields}".split()}}
 def _trace(signum, frame):
-    if not tracemalloc.is_tracing():
-        tracemalloc.start({frames})
-        return
     _count[0] += 1
-    name = "%d-%03d.snap" % (os.getpid(), _count[0])
-    tracemalloc.take_snapshot().dump(os.path.join({directory!r}, name))
+    name = os.path.join({directory!r}, "%d-%03d" % (os.getpid(), _count[0]))
+    if {mode!r} == "malloc":
+        with open(name + ".malloc", "w") as out:
+            json.dump(_malloc(), out)
+    elif not tracemalloc.is_tracing():
+        tracemalloc.start({frames})
+    else:
+        tracemalloc.take_snapshot().dump(name + ".snap")
 signal.signal(signal.SIGUSR2, _trace)
 """
+_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+"""glibc's ``struct mallinfo2``."""
 
 
 def memory_trace() -> MemoryTrace | None:
-    """A :class:`MemoryTrace` into ``$DYNARL_SOAK_TRACE``, or None when it is unset."""
+    """A :class:`MemoryTrace` into ``$DYNARL_SOAK_TRACE``, or None when it is unset;
+    ``DYNARL_SOAK_TRACE_MODE=malloc`` records glibc's heap counters instead of Python
+    allocations (is native memory in use, or held free by the allocator?)."""
     directory = os.environ.get("DYNARL_SOAK_TRACE")
-    return MemoryTrace(Path(directory)) if directory else None
+    mode = os.environ.get("DYNARL_SOAK_TRACE_MODE", "python")
+    if mode not in ("python", "malloc"):
+        raise ValueError(f"DYNARL_SOAK_TRACE_MODE must be python or malloc, got {mode!r}")
+    return MemoryTrace(Path(directory), mode=mode) if directory else None
 
 
 class MemoryTrace:
     """Traces this process and the children it starts from now on (see the module)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, mode: str = "python") -> None:
         self.directory = directory.resolve()
         site = self.directory / "site"
         site.mkdir(parents=True, exist_ok=True)
-        (site / "sitecustomize.py").write_text(
-            _SITE.format(frames=FRAMES, directory=str(self.directory))
-        )
+        code = _SITE.format(frames=FRAMES, directory=str(self.directory), mode=mode, fields=_FIELDS)
+        (site / "sitecustomize.py").write_text(code)
         paths = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
         os.environ["PYTHONPATH"] = os.pathsep.join(paths)
-        self._taken = 0
+        self._here: dict[str, Any] = {}
+        exec(compile(code.replace("signal.signal(", "_ = ("), "sitecustomize", "exec"), self._here)
 
     def take(self, children: Iterable[int]) -> None:
-        """Start tracing (first call) or dump a snapshot, here and in every pid of
-        ``children`` (they act between two bytecodes of their main thread: give them a
-        moment)."""
-        if not tracemalloc.is_tracing():
-            tracemalloc.start(FRAMES)
-        else:
-            self._taken += 1
-            name = f"{os.getpid()}-{self._taken:03d}.snap"
-            tracemalloc.take_snapshot().dump(str(self.directory / name))
+        """Python mode: start tracing (first call) or dump a snapshot; malloc mode: dump
+        the heap counters — here and in every pid of ``children`` (they act between two
+        bytecodes of their main thread: give them a moment)."""
+        self._here["_trace"](signal.SIGUSR2, None)
         for pid in children:
             if pid != os.getpid():
                 try:
@@ -82,10 +97,10 @@ class MemoryTrace:
         last snapshot; also written with the RSS series under the trace directory."""
         rss = [{"time": s.time, "rss": {str(p): b for p, b in s.rss.items()}} for s in samples]
         (self.directory / "rss.json").write_text(json.dumps(rss))
+        lines = self._malloc_report()
         by_pid: dict[str, list[Path]] = {}
         for path in sorted(self.directory.glob("*.snap")):
             by_pid.setdefault(path.name.split("-")[0], []).append(path)
-        lines = []
         for pid, paths in sorted(by_pid.items()):
             if len(paths) < 2:
                 continue
@@ -103,3 +118,16 @@ class MemoryTrace:
         text = "\n".join(lines)
         (self.directory / "report.txt").write_text(text)
         return text
+
+    def _malloc_report(self) -> list[str]:
+        """Per process, glibc's heap at each dump: in use (``uordblks`` + ``hblkhd``, mmapped
+        chunks included) and held free in the arenas (``fordblks``), KiB."""
+        by_pid: dict[str, list[dict[str, int]]] = {}
+        for path in sorted(self.directory.glob("*.malloc")):
+            by_pid.setdefault(path.name.split("-")[0], []).append(json.loads(path.read_text()))
+        lines = []
+        for pid, infos in sorted(by_pid.items()):
+            used = [(i["uordblks"] + i["hblkhd"]) // 1024 for i in infos]
+            free = [i["fordblks"] // 1024 for i in infos]
+            lines.append(f"== pid {pid}: malloc in use {used} KiB, free in arenas {free} KiB")
+        return lines
