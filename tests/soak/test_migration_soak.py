@@ -8,7 +8,9 @@ descriptors, sockets, processes and process groups must not grow while it runs (
 on the starting allocation); once the job is closed they are all back at their baseline
 from before it started. With DYNARL_SOAK_TRACE=DIR the Python allocations of the test
 process and the workers are traced (:mod:`soak_trace`) from the end of the warm-up on:
-snapshots half-way and at the end, compared by traceback in DIR/report.txt.
+snapshots half-way and at the end, compared by traceback in DIR/report.txt (with
+DYNARL_SOAK_TRACE_MODE=malloc: glibc's heap in use and free, per process). The log
+names each process's RSS growth.
 
     DYNARL_SOAK_S=120 .venv/bin/python -m pytest -m slow tests/soak/test_migration_soak.py \\
         -o log_cli=true --log-cli-level=WARNING
