@@ -89,9 +89,7 @@ def test_a_parkable_node_may_hold_zero_and_its_size_views_agree(low: int, high: 
     assert list(parked.valid_sizes(low, high, 64)) == valid
     assert parked.num_valid_sizes(low, high) == len(valid)
     # Without parking only the minimum and above; 0 (or anything in between) never.
-    assert [n for n in range(low, high + 1) if fixed.is_valid_size(n)] == [
-        n for n in valid if n
-    ]
+    assert [n for n in range(low, high + 1) if fixed.is_valid_size(n)] == [n for n in valid if n]
     assert list(fixed.valid_sizes(low, high, 64)) == [n for n in valid if n]
     assert fixed.num_valid_sizes(low, high) == len([n for n in valid if n])
     assert not parked.is_valid_size(4) and parked.zero_allowed and not fixed.zero_allowed
