@@ -363,5 +363,12 @@ def test_dynarl_completes_every_iteration_when_its_scheduler_never_moves(
     assert sim.timeline.counts[0][:3] == (start["rollout"], start["inference"], start["trainer"])
     column = sim.timeline.components.index("trainer")
     held = {row[column] for row in sim.timeline.counts}
-    minimum = max(workload.trainer.min_gpus, workload.trainer.tp)
-    assert held == ({0, minimum} if parkable else {start["trainer"]})
+    if not parkable:
+        assert held == {start["trainer"]}
+        return
+    # Both stalled once rollout is done: inference gets a replica, the trainer every
+    # other device but rollout's last engine, at a whole number of its replicas.
+    idle = workload.cluster.num_gpus - workload.rollout.tp - workload.inference.tp
+    unparked = idle - idle % workload.trainer.tp
+    assert unparked >= max(workload.trainer.min_gpus, workload.trainer.tp)
+    assert held == {0, unparked}

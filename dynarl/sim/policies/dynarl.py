@@ -230,12 +230,15 @@ class DynarlPolicy:
 
 
 def _unstalled(sim: Simulation) -> dict[str, int] | None:
-    """Sizes that give every stalled stage its minimum, or None when none is stalled.
+    """Sizes that unpark every stalled stage, or None when none is stalled (or can be yet).
 
-    Once rollout is done, a stage (inference, trainer) is stalled when it holds no device
-    while it has items of the iteration left. It gets ``max(min_gpus, tp)`` devices: free
-    ones first, then rollout's (rollout keeps one engine), then a finished inference's.
-    Logs a warning and returns None when the devices are not there.
+    Once rollout is done, a stage (inference, the trainer) is stalled when it holds no
+    device while it has items of the iteration left. The idle devices are the free ones,
+    rollout's but one engine, and a finished inference's. A stalled inference gets its
+    minimum (at least one replica) from them; a stalled trainer, the last stage, every
+    idle device left at its largest valid size, as a colocated trainer onloads onto every
+    GPU. Returns None, waiting for inference to finish, when the trainer's minimum is not
+    idle yet.
     """
     w = sim.workload
     left = sim.remaining()
@@ -243,29 +246,39 @@ def _unstalled(sim: Simulation) -> dict[str, int] | None:
         return None
     counts = {name: len(sim.holders[name]) for name in COMPONENTS}
     specs = {"inference": w.inference, "trainer": w.trainer}
-    stalled = {
-        name: max(spec.min_gpus, spec.tp)
+    stalled = [
+        name
         for name, spec in specs.items()
         if counts[name] == 0 and left[name] > 0 and not spec.fused
-    }
+    ]
     if not stalled:
         return None
-    wanted = counts | stalled
-    need = sum(stalled.values()) - len(sim.free)
     spare = {
         "rollout": max(counts["rollout"] - w.rollout.tp, 0),
         "inference": counts["inference"] if left["inference"] == 0 else 0,
     }
-    units = {"rollout": w.rollout.tp, "inference": w.inference.tp}
-    for donor in ("rollout", "inference"):
-        if need <= 0:
-            break
-        unit = units[donor]
-        take = min(-(-need // unit) * unit, spare[donor] - spare[donor] % unit)
+    idle = len(sim.free) + sum(spare.values())
+    wanted = dict(counts)
+    if "inference" in stalled:
+        wanted["inference"] = max(w.inference.min_gpus, w.inference.tp)
+        idle -= wanted["inference"]
+    if "trainer" in stalled:
+        fits = [n for n in sim.nodes["trainer"].valid_sizes(1, idle, 1 << 30) if n <= idle]
+        if not fits or idle < 0:
+            logger.info("the trainer stays parked until inference is done (%d idle)", idle)
+            return None
+        wanted["trainer"] = fits[-1]
+        idle -= fits[-1]
+    if idle < 0:
+        return None
+    # Take what the stalled stages get from the donors' idle devices, whole replicas.
+    need = sum(wanted[n] for n in stalled) - len(sim.free)
+    for donor in ("inference", "rollout"):
+        unit = w.inference.tp if donor == "inference" else w.rollout.tp
+        take = min(-(-max(need, 0) // unit) * unit, spare[donor] - spare[donor] % unit)
         wanted[donor] -= take
         need -= take
     if need > 0:
-        logger.warning("cannot unpark %s: %d devices short", sorted(stalled), need)
         return None
-    logger.info("unparking %s at t=%.1f s", sorted(stalled), sim.loop.now)
+    logger.info("unparking %s at t=%.1f s: %s", stalled, sim.loop.now, wanted)
     return wanted
