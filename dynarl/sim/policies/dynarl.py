@@ -26,9 +26,10 @@ A parkable trainer starts each iteration parked (0 devices, its state in host me
 so does inference when its minimum is 0; the scheduler unparks them by its own moves (the
 modelled cost is the host-link transfer). One more pipeline rule keeps an iteration
 finite when the scheduler does not move (safe mode, ``observe_only``) or has not yet:
-once rollout is done, a stage that still holds no device while it has work left gets
-its minimum (at least one replica) from rollout's idle devices (then from a finished
-inference), as an external move like the barrier's.
+once rollout is done, a stage that still holds no device while it has work left is
+unparked onto idle devices (rollout's, a finished inference's): inference at its minimum
+(at least one replica), the trainer onto every idle device, as an external move like the
+barrier's.
 """
 
 from __future__ import annotations
