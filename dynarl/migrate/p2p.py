@@ -36,12 +36,11 @@ from dynarl.migrate.groups import CommGroup, LayoutGroups, build_group
 from dynarl.migrate.layout import Layout
 from dynarl.migrate.plan import ReshardPlan, plan_reshard
 from dynarl.migrate.protocol import (
-    MigrationState,
     Outcome,
     Step,
+    StepRunner,
     begin,
     finish,
-    new_migration,
     record_refusal,
 )
 from dynarl.migrate.region import Shard
@@ -96,7 +95,7 @@ class P2PConfig:
             raise ValueError(f"P2PConfig.backend must be 'gloo' or 'nccl', got {self.backend!r}")
 
 
-class P2PMigration:
+class P2PMigration(StepRunner):
     """One rank's side of a create-before-destroy reshard from ``src`` to ``dst``.
 
     ``epoch`` names the new layout's groups (unique per layout change in the job);
@@ -125,27 +124,15 @@ class P2PMigration:
             raise ValueError(f"destination layout {dst.name} has no LayoutSpec to build groups")
         self.config = config or P2PConfig()
         self.src, self.dst, self.rank, self.epoch = src, dst, rank, epoch
-        self._store, self._trainer, self._clock = store, trainer, clock
+        self._store, self._trainer = store, trainer
         self._on_interrupt = on_interrupt
-        self._state = new_migration(
-            migration_id, MigrationKind.P2P, now=clock(), lease_s=self.config.lease_s
-        )
+        super().__init__(migration_id, MigrationKind.P2P, lease_s=self.config.lease_s, clock=clock)
         self.plan = plan
         self.report: TransferReport | None = None
         self.timings: dict[str, float] = {}
         self._group: CommGroup | None = None
         self._groups: LayoutGroups | None = None
         self._executor: PlanExecutor | None = None
-
-    @property
-    def migration_id(self) -> str:
-        """Unique id of the migration."""
-        return self._state.migration_id
-
-    @property
-    def state(self) -> MigrationState:
-        """Where the migration stands."""
-        return self._state
 
     def _run(self, step: Step, action: Callable[[], str]) -> Outcome:
         start = begin(self._state, step, now=self._clock())

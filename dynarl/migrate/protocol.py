@@ -17,7 +17,8 @@ with reason ``lease expired`` and the migration must be rolled back.
 the executors (:mod:`.p2p`, :mod:`.workload`, :mod:`.reboot`) call :func:`begin` before a
 side effect, perform it only when told to, and record it with :func:`finish`. The
 :class:`Migration` protocol is what the runtime drives: ``interrupt()`` then
-``migrate(dest_resources)``.
+``migrate(dest_resources)``. :class:`StepRunner` is the part the executors share: the
+migration's id, its state and one step run through :func:`run_step`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "Outcome",
     "Start",
     "Step",
+    "StepRunner",
     "begin",
     "finish",
     "new_migration",
@@ -287,3 +289,31 @@ async def run_step(
     outcome = state.outcome(step)
     assert outcome is not None
     return state, outcome
+
+
+class StepRunner:
+    """A migration's id and state, and its steps run one at a time through :func:`run_step`.
+
+    The executors of the kinds (:mod:`.workload`, :mod:`.reboot`, :mod:`.p2p`) build on
+    it; ``clock`` is the job clock their leases are measured on.
+    """
+
+    def __init__(
+        self, migration_id: str, kind: MigrationKind, *, lease_s: float, clock: Callable[[], float]
+    ) -> None:
+        self._clock = clock
+        self._state = new_migration(migration_id, kind, now=clock(), lease_s=lease_s)
+
+    @property
+    def migration_id(self) -> str:
+        """Unique id of the migration."""
+        return self._state.migration_id
+
+    @property
+    def state(self) -> MigrationState:
+        """Where the migration stands."""
+        return self._state
+
+    async def _step(self, step: Step, action: Callable[[], Awaitable[str]]) -> Outcome:
+        self._state, outcome = await run_step(self._state, step, now=self._clock(), action=action)
+        return outcome

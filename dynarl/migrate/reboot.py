@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-from dynarl.migrate.protocol import MigrationState, Outcome, Step, new_migration, run_step
+from dynarl.migrate.protocol import Outcome, Step, StepRunner
 from dynarl.types import MigrationKind
 
 __all__ = ["RebootHost", "RebootMigration"]
@@ -43,7 +43,7 @@ class RebootHost(Protocol):
         ...
 
 
-class RebootMigration:
+class RebootMigration(StepRunner):
     """Move a component from ``src_resources`` to ``dest_resources`` by restarting it."""
 
     def __init__(
@@ -61,24 +61,8 @@ class RebootMigration:
         self.src_resources = tuple(src_resources)
         self.dest_resources: tuple[int, ...] = ()
         self.checkpoint: str | None = None
-        self._host, self._clock, self._on_interrupt = host, clock, on_interrupt
-        self._state = new_migration(
-            migration_id, MigrationKind.REBOOT, now=clock(), lease_s=lease_s
-        )
-
-    @property
-    def migration_id(self) -> str:
-        """Unique id."""
-        return self._state.migration_id
-
-    @property
-    def state(self) -> MigrationState:
-        """Where the migration stands."""
-        return self._state
-
-    async def _step(self, step: Step, action: Callable[[], Awaitable[str]]) -> Outcome:
-        self._state, outcome = await run_step(self._state, step, now=self._clock(), action=action)
-        return outcome
+        self._host, self._on_interrupt = host, on_interrupt
+        super().__init__(migration_id, MigrationKind.REBOOT, lease_s=lease_s, clock=clock)
 
     async def save(self) -> Outcome:
         """Checkpoint the component."""

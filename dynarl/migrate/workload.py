@@ -21,11 +21,11 @@ implements it). Runs on the manager's event loop.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from dynarl.migrate.protocol import MigrationState, Outcome, Step, new_migration, run_step
+from dynarl.migrate.protocol import Outcome, Step, StepRunner
 from dynarl.types import MigrationKind
 
 __all__ = ["PartialRequest", "WorkloadHost", "WorkloadMigration"]
@@ -73,7 +73,7 @@ class WorkloadHost(Protocol):
         ...
 
 
-class WorkloadMigration:
+class WorkloadMigration(StepRunner):
     """Take ``donors`` away from a component; ``remaining`` workers take over their work.
 
     Raises ValueError when donors and remaining overlap or no worker remains.
@@ -94,26 +94,10 @@ class WorkloadMigration:
         if not remaining or not donors:
             raise ValueError("a workload migration needs donors and at least one remaining worker")
         self.donors, self.remaining = tuple(donors), tuple(remaining)
-        self._host, self._clock = host, clock
-        self._state = new_migration(
-            migration_id, MigrationKind.WORKLOAD, now=clock(), lease_s=lease_s
-        )
+        self._host = host
+        super().__init__(migration_id, MigrationKind.WORKLOAD, lease_s=lease_s, clock=clock)
         self.drained: tuple[PartialRequest, ...] = ()
         self.dispatched: tuple[str, ...] = ()
-
-    @property
-    def migration_id(self) -> str:
-        """Unique id."""
-        return self._state.migration_id
-
-    @property
-    def state(self) -> MigrationState:
-        """Where the migration stands."""
-        return self._state
-
-    async def _step(self, step: Step, action: Callable[[], Awaitable[str]]) -> Outcome:
-        self._state, outcome = await run_step(self._state, step, now=self._clock(), action=action)
-        return outcome
 
     async def stop_routing(self) -> Outcome:
         """Stop sending requests to the donors."""

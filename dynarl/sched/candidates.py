@@ -13,7 +13,11 @@ search is then exhaustive: with a migration cost that does not decrease as more 
 and components move, no other reallocation of the donor's devices does better),
 otherwise ``num_candidates`` levels spread up to the highest are. The best candidate
 commits only when it saves strictly more than ``min_gain_s`` after charging its predicted
-migration cost.
+migration cost. Candidates are ranked by predicted finish (remaining time plus migration
+cost); when the current allocation cannot finish (a component with items left holds no
+device) every candidate that can has an unbounded gain and commits, the earliest finish
+first. A component with no device and nothing queued is never limiting (its remaining
+work is zero), so it is no reason to move while its predecessors still work.
 
 Work per round is O(components × size points + candidates × components), independent of
 the GPU count. Pure: everything comes in as arguments.
@@ -342,6 +346,9 @@ def _charge(cand: Candidate, current: Candidate, ctx: _Context, cost: MigrationC
         if n != ctx.counts[name]
     )
     estimate = cost.estimate(resizes)
+    # A current allocation that cannot finish (a component with work holds nothing) is
+    # left by any candidate that can: that gain is unbounded. Candidates are still ranked
+    # against each other by their finite finish time (see ``_rank``), never by that gain.
     gain = current.remaining_s - (cand.remaining_s + estimate.seconds)
     if math.isinf(current.remaining_s) and math.isfinite(cand.remaining_s):
         gain = math.inf
@@ -362,8 +369,15 @@ def _charge(cand: Candidate, current: Candidate, ctx: _Context, cost: MigrationC
 def _rank(
     cand: Candidate, counts: Mapping[str, int]
 ) -> tuple[float, float, int, tuple[tuple[str, int], ...]]:
+    """Earliest predicted finish (remaining time plus migration cost) first.
+
+    With a finite current remaining time this is the order of decreasing gain; when the
+    current allocation cannot finish, every finite candidate's gain is unbounded and the
+    finish time still tells them apart. Ties: higher rate, fewer devices moved, sizes.
+    """
     moved = sum(abs(n - counts[name]) for name, n in cand.sizes)
-    return (-cand.gain_s, -cand.pipeline_rate, moved, cand.sizes)
+    finish = cand.remaining_s + cand.cost_s if cand.gain_s > -math.inf else math.inf
+    return (finish, -cand.pipeline_rate, moved, cand.sizes)
 
 
 def _pick(count: int, limit: int) -> list[int]:

@@ -63,6 +63,9 @@ class HyperNode:
     """Whether the component ever reaches an interruptible point (else it is never resized)."""
     min_devices: int = 0
     """Lower elastic bound, devices (a multiple of the unit, or 0)."""
+    parkable: bool = False
+    """May hold no device: its state waits in host memory; 0 is then a valid size besides
+    min_devices and above (moving to or from 0 is a park or an unpark)."""
     max_devices: int | None = None
     """Upper elastic bound, devices (None: the whole job)."""
     tp: int = 1
@@ -115,6 +118,11 @@ class HyperNode:
         """Devices its registered workers hold."""
         return sum(len(node.devices) for node in self.workers)
 
+    @property
+    def zero_allowed(self) -> bool:
+        """Whether 0 devices is a valid size (no minimum, or a parkable component)."""
+        return self.min_devices == 0 or self.parkable
+
     def upper_bound(self, total: int) -> int:
         """Largest size allowed in a job of ``total`` devices."""
         return total if self.max_devices is None else min(total, self.max_devices)
@@ -122,7 +130,7 @@ class HyperNode:
     def is_valid_size(self, num_devices: int) -> bool:
         """Whether the component may hold exactly ``num_devices`` devices."""
         if num_devices == 0:
-            return self.min_devices == 0
+            return self.zero_allowed
         if num_devices < self.min_devices or num_devices % self.unit:
             return False
         if self.max_devices is not None and num_devices > self.max_devices:
@@ -137,7 +145,7 @@ class HyperNode:
         """
         high = min(high, self.max_devices if self.max_devices is not None else high)
         low = max(low, 0)
-        sizes: list[int] = [0] if low == 0 and self.min_devices == 0 else []
+        sizes: list[int] = [0] if low == 0 and self.zero_allowed else []
         lo_dp = max(1, math.ceil(max(low, self.min_devices) / self.unit))
         hi_dp = high // self.unit
         if self.dp_sizes:
@@ -157,7 +165,7 @@ class HyperNode:
         high = min(high, self.max_devices if self.max_devices is not None else high)
         lo_dp = max(1, math.ceil(max(low, self.min_devices) / self.unit))
         hi_dp = high // self.unit
-        zero = 1 if max(low, 0) == 0 and self.min_devices == 0 else 0
+        zero = 1 if max(low, 0) == 0 and self.zero_allowed else 0
         if self.dp_sizes:
             return zero + sum(1 for d in self.dp_sizes if lo_dp <= d <= hi_dp)
         return zero + max(0, hi_dp - lo_dp + 1)

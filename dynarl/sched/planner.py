@@ -65,7 +65,12 @@ def decide(
     rejected: list[Rejection] = []
     for cand in evaluation.candidates:
         if chosen is not None:
-            reason = f"saves {cand.gain_s:.3f} s, less than the chosen {chosen.gain_s:.3f} s"
+            reason = (
+                f"saves {cand.gain_s:.3f} s, less than the chosen {chosen.gain_s:.3f} s"
+                if math.isfinite(chosen.gain_s)
+                else f"finishes in {cand.remaining_s + cand.cost_s:.3f} s, later than the "
+                f"chosen {chosen.remaining_s + chosen.cost_s:.3f} s"
+            )
         elif not cand.gain_s > config.min_gain_s:
             reason = (
                 f"not better after cost: saves {cand.gain_s:.3f} s net of "

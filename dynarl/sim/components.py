@@ -7,7 +7,8 @@
   predicted and realised migration time agree by construction (the realised *benefit* is
   what the simulation measures). Seconds per kind come from the workload's
   ``[migration]`` table; concurrent resizes overlap, so a move costs its slowest part;
-  P2P resizes copy one replica's state per replica added.
+  P2P resizes copy one replica's state per replica added. A P2P component parked at 0
+  devices (its state in host memory) unparks, or parks, over the host links instead.
 - :func:`migration_bytes`: the bytes a resize moves across devices, per migration kind
   (what the ledger's ``MigrationRecord.bytes_moved`` says for a simulated move).
 - The protocols the simulator and the policies share: :class:`RolloutModel` (the
@@ -159,6 +160,7 @@ def build_nodes(workload: Workload, trainer_dp_sizes: tuple[int, ...] = ()) -> d
             migration=MigrationKind.P2P,
             tp=w.trainer.tp,
             min_devices=w.trainer.min_gpus,
+            parkable=w.trainer.parkable,
             dp_sizes=trainer_dp_sizes,
             state_bytes=w.model.state_bytes,
             sharded_state_fraction=w.model.sharded_state_fraction,
@@ -173,6 +175,8 @@ class ModelledMigrationCost:
 
     spec: MigrationSpec
     """Seconds per migration kind."""
+    sharded_state_fraction: float = 0.0
+    """Part of a P2P component's state sharded over its data-parallel ranks."""
 
     def seconds(self, kind: MigrationKind) -> float:
         """Pause of one migration of ``kind``."""
@@ -182,10 +186,32 @@ class ModelledMigrationCost:
             return self.spec.reboot_s
         return self.spec.workload_s
 
+    def park_seconds(self, resize: Resize) -> float:
+        """Pause of parking (to 0 devices) or unparking (from 0) a P2P component.
+
+        Its state crosses the host links: each GPU of the non-zero side sends or receives
+        what it holds (the replicated part of its TP shard plus its DP share of the
+        sharded part) over its own link, all in parallel.
+        """
+        n = max(resize.old_devices, resize.new_devices)
+        unit = resize.tp * resize.pp
+        dp = max(n // unit, 1)
+        f = self.sharded_state_fraction
+        per_gpu = resize.state_bytes / unit * ((1.0 - f) + f / dp)
+        return per_gpu / (self.spec.host_gbps * 1e9)
+
+    def resize_seconds(self, resize: Resize) -> float:
+        """Pause of one resize: a park or unpark over the host links, else its kind's."""
+        parking = resize.migration is MigrationKind.P2P and 0 in (
+            resize.old_devices,
+            resize.new_devices,
+        )
+        return self.park_seconds(resize) if parking else self.seconds(resize.migration)
+
     def estimate(self, resizes: tuple[Resize, ...]) -> CostEstimate:
         """The slowest moving resize's seconds; P2P bytes of the replicas added."""
         moving = [r for r in resizes if r.new_devices != r.old_devices]
-        seconds = max((self.seconds(r.migration) for r in moving), default=0.0)
+        seconds = max((self.resize_seconds(r) for r in moving), default=0.0)
         added = sum(
             r.state_bytes * max(0, r.new_devices - r.old_devices) // (r.tp * r.pp)
             for r in moving
@@ -221,7 +247,9 @@ def migration_bytes(workload: Workload, component: str, old: int, new: int) -> i
     and re-prefilled). P2P (the trainer): each added device receives the replicated part
     of its TP shard of the state, and the part the distributed optimizer shards over DP
     is re-partitioned for the new DP size, of which the share ``1 - min/max`` (old and
-    new DP sizes) changes owner. Raises ValueError for an unknown component.
+    new DP sizes) changes owner. A trainer parking at 0 devices, or unparking from 0, moves
+    every byte its GPUs hold to or from host memory. Raises ValueError for an unknown
+    component.
     """
     if component not in COMPONENTS:
         raise ValueError(f"unknown component {component!r}")
@@ -233,6 +261,8 @@ def migration_bytes(workload: Workload, component: str, old: int, new: int) -> i
         return int(2.0 * w.model.num_params * added / w.inference.tp)
     state = w.model.state_bytes
     sharded = state * w.model.sharded_state_fraction
+    if 0 in (old, new):  # a park or an unpark: every GPU's whole share crosses its host link
+        return int((state - sharded) * (old + new) / w.trainer.tp + sharded)
     replicated = (state - sharded) * added / w.trainer.tp
     low, high = min(old, new), max(old, new)
     moved = sharded * (1.0 - low / high) if high else 0.0

@@ -8,7 +8,8 @@
 - :func:`best_partition`: the static disaggregated partition with the least predicted
   iteration time (the slowest pipelined stage), over every feasible split.
 - :func:`start_partition`: where a dynamic policy's synchronous iteration starts: only
-  rollout has work at the barrier, so the others hold their minimum and rollout the rest.
+  rollout has work at the barrier, so the others hold their minimum (a parkable trainer
+  none) and rollout the rest.
 - :func:`predictor_profiles`: the profile points dynarl's predictor starts from
   (representative batch size and sequence length, the way the paper profiles).
 
@@ -191,10 +192,18 @@ def start_partition(workload: Workload) -> dict[str, int]:
     with at least one replica: every stage has work in every iteration, and an allocation
     in which one has none runs only if the scheduler moves devices to it, which it does
     not in safe mode or ``observe_only`` (the iteration would never end).
+
+    A parkable trainer (``[trainer] parkable``: its state waits in host memory) starts
+    parked at 0, and so does inference when its minimum is 0: rollout then holds every
+    device, and the policy's pipeline rule (:class:`~dynarl.sim.policies.DynarlPolicy`)
+    unparks a stage that still holds nothing once rollout is done.
     """
     w = workload
     trainer = max(w.trainer.min_gpus, w.trainer.tp)
     inference = max(w.inference.min_gpus, w.inference.tp)
+    if w.trainer.parkable:
+        trainer = 0
+        inference = w.inference.min_gpus
     rollout = w.cluster.num_gpus - trainer - inference
     rollout -= rollout % w.rollout.tp
     if rollout < w.rollout.tp:

@@ -69,7 +69,10 @@ class Simulation:
         self.trainer = Stage(
             "trainer", ComponentKind.TRAINER.value, workload.trainer, self.loop, self._trained
         )
-        self.cost = ModelledMigrationCost(spec=workload.migration)
+        self.cost = ModelledMigrationCost(
+            spec=workload.migration,
+            sharded_state_fraction=workload.model.sharded_state_fraction,
+        )
         self.nodes = build_nodes(workload)
         self.holders: dict[str, set[int]] = {name: set() for name in COMPONENTS}
         self.free: set[int] = set(range(workload.cluster.num_gpus))

@@ -228,11 +228,16 @@ class StageSpec:
     """Exponent of the GPU count (1: linear)."""
     min_gpus: int = 0
     """Fewest GPUs the stage may hold while it holds any (memory), a multiple of tp."""
+    parkable: bool = False
+    """May hold no GPU although ``min_gpus`` > 0: its state then waits in host memory
+    (parking and unparking cross the host links, ``[migration] host_gbps``)."""
 
     def __post_init__(self) -> None:
         _positive("stage", tp=self.tp, tokens_per_s_per_gpu=self.tokens_per_s_per_gpu)
         _positive("stage", scaling_exponent=self.scaling_exponent)
         _non_negative("stage", min_gpus=self.min_gpus)
+        if not isinstance(self.parkable, bool):
+            raise ValueError(f"stage.parkable must be a bool, got {self.parkable!r}")
         if self.min_gpus % self.tp:
             raise ValueError("stage.min_gpus must be a multiple of tp")
         if self.fused and self.min_gpus:
@@ -266,11 +271,15 @@ class MigrationSpec:
     """Trainer to rollout weight sync at the end of an iteration."""
     phase_switch_s: float
     """Colocated stage switch (offload one role, onload the next)."""
+    host_gbps: float = 50.0
+    """Host link of one GPU, GB/s: a parked stage's state crosses it when the stage parks
+    or unparks, every GPU over its own link in parallel (PCIe gen5 x16)."""
 
     def __post_init__(self) -> None:
         _non_negative("migration", workload_s=self.workload_s, p2p_s=self.p2p_s)
         _non_negative("migration", reboot_s=self.reboot_s, weight_sync_s=self.weight_sync_s)
         _non_negative("migration", phase_switch_s=self.phase_switch_s)
+        _positive("migration", host_gbps=self.host_gbps)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -68,6 +68,7 @@ FACTS = {
     "F9": ((8, 80), "testbed: 8 H100-80GB per node, NVLink (§7.1)"),
     "F10": ("held out", "7B/64 timeline: trainer 52 GPUs at ≈380 s with priority, 32 at ≈420 s"),
     "F11": (1.43, "64 GPUs, 1.5B/7B math: DynaRL 1.43–1.55× its static baselines (§7.2, Fig. 11)"),
+    "F12": (2e12, "testbed: 2 TB DRAM per server of 8 GPUs (§7.1)"),
     "M1": (
         {"1.5b": (1.78e9, 28, 1536, 2), "7b": (7.62e9, 28, 3584, 4), "32b": (32.8e9, 64, 5120, 8)},
         "DeepSeek-R1-Distill-Qwen model cards: params, layers, hidden, KV heads (head dim 128)",
@@ -120,6 +121,13 @@ ASSUMPTIONS = {
     "after a retraction (its defaults).",
     "A21": "Seeds are fixed arbitrary numbers (one per model and cluster size); every "
     "policy sees the same trace of a file.",
+    "A22": "The trainer is parkable: with nothing to do its state waits in host memory, as "
+    "verl's colocated trainer offloads to CPU during rollout. A9's state (16 B/param: 1.5B "
+    "28.5 GB, 7B 122 GB, 32B 525 GB) fits F12's 2 TB of a single server many times over. "
+    "Parking and unparking cross PCIe gen5 x16 (64 GB/s raw a direction, taken as 50 GB/s "
+    "effective, host_gbps), every GPU over its own link in parallel, each moving what it "
+    "holds: 7B on its 4-GPU minimum 30.5 GB a GPU, 0.61 s; 32B on 16 (TP 8, DP 2) 41 GB, 0.82 s; "
+    "1.5B on 2 GPUs 14.2 GB, 0.28 s.",
 }
 
 FITTED = {
@@ -178,7 +186,12 @@ def _stages(
     train = PEAK_FLOPS * 0.25 * efficiency / (6 * model.num_params + 12 * attn)
     infer = PEAK_FLOPS * 0.35 * efficiency / (2 * model.num_params + 4 * attn)
     min_gpus = _trainer_min_gpus(model, tps[0])
-    trainer = StageSpec(tp=tps[0], tokens_per_s_per_gpu=train, min_gpus=min_gpus)
+    trainer = StageSpec(
+        tp=tps[0],
+        tokens_per_s_per_gpu=train,
+        min_gpus=min_gpus,
+        parkable=True,  # A22
+    )
     inference = StageSpec(tp=tps[0], tokens_per_s_per_gpu=infer)
     return inference, trainer
 
@@ -214,6 +227,7 @@ def _migration(model: ModelSpec) -> MigrationSpec:
         reboot_s=round(30.0 + 2 * model.num_params / 2e9, 3),
         weight_sync_s=round(1.0 + 2 * model.num_params / 100e9, 3),
         phase_switch_s=round(workload, 3),
+        host_gbps=50.0,  # A22
     )
 
 

@@ -13,7 +13,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from hypothesis import given, note
+from hypothesis import event, given, note
 from hypothesis import strategies as st
 from sched_support import PowerLawPredictor, report, stats_of
 
@@ -48,7 +48,7 @@ class MonotoneCost:
 def components(draw: st.DrawFn, name: str) -> tuple[HyperNode, int]:
     tp = draw(st.sampled_from((1, 1, 2, 4)))
     dp_sizes = draw(st.sampled_from(((), (1, 2, 4), (1, 3))))
-    min_devices = draw(st.sampled_from((0, tp)))
+    min_devices = draw(st.sampled_from((0, tp, 2 * tp)))
     max_devices = draw(st.sampled_from((None, 4 * tp, 8)))
     if max_devices is not None and max_devices < max(min_devices, 1):
         max_devices = None
@@ -59,6 +59,7 @@ def components(draw: st.DrawFn, name: str) -> tuple[HyperNode, int]:
         dp_sizes=dp_sizes,
         min_devices=min_devices,
         max_devices=max_devices,
+        parkable=draw(st.booleans()),
     )
     valid = [n for n in range(0, 9) if node.is_valid_size(n)]
     return node, draw(st.sampled_from(valid or [0]))
@@ -113,7 +114,9 @@ def remaining_time(
     return worst
 
 
-def exhaustive_best(inst: dict[str, object], predictor: PowerLawPredictor) -> float:
+def exhaustive_best(inst: dict[str, object], predictor: PowerLawPredictor) -> tuple[float, float]:
+    """The best gain of any reallocation, and the earliest finish (remaining time plus
+    migration cost) of any that can finish."""
     nodes: dict[str, HyperNode] = inst["nodes"]  # type: ignore[assignment]
     counts: dict[str, int] = inst["counts"]  # type: ignore[assignment]
     interruptible: dict[str, bool] = inst["interruptible"]  # type: ignore[assignment]
@@ -129,7 +132,7 @@ def exhaustive_best(inst: dict[str, object], predictor: PowerLawPredictor) -> fl
             options[name] = [now] + [s for s in range(0, now) if node.is_valid_size(s)]
         else:
             options[name] = [now] + [s for s in range(now + 1, total + 1) if node.is_valid_size(s)]
-    best = -math.inf
+    best, finish = -math.inf, math.inf
     for combo in itertools.product(*options.values()):
         sizes = dict(zip(options, combo, strict=True))
         if sum(sizes.values()) > total or sizes == counts:
@@ -142,7 +145,8 @@ def exhaustive_best(inst: dict[str, object], predictor: PowerLawPredictor) -> fl
         after = remaining_time(sizes, inst, predictor) + cost.estimate(resizes).seconds
         gain = math.inf if math.isinf(before) and math.isfinite(after) else before - after
         best = max(best, gain)
-    return best
+        finish = min(finish, after)
+    return best, finish
 
 
 @given(instances())
@@ -190,7 +194,7 @@ def test_stage2_matches_exhaustive_search_and_keeps_constraints(inst: dict[str, 
         assert dict(decision.chosen.sizes) == {n: new.count(n) for n in nodes}  # type: ignore[union-attr]
         moved_in = {d for m in decision.moves if m.dst for d in m.devices}
         assert moved_in <= set(free) | {d for m in decision.moves if m.src for d in m.devices}
-    best = exhaustive_best(inst, predictor)
+    best, finish = exhaustive_best(inst, predictor)
     ours = decision.chosen.gain_s if decision.committed else -math.inf  # type: ignore[union-attr]
     if decision.exhaustive:
         if best > config.min_gain_s:
@@ -198,5 +202,11 @@ def test_stage2_matches_exhaustive_search_and_keeps_constraints(inst: dict[str, 
             assert ours == best or math.isclose(ours, best, rel_tol=1e-9, abs_tol=1e-9)
         else:
             assert not decision.committed
+        if decision.committed and math.isinf(decision.current.remaining_s):
+            # A stalled pipeline: every way out gains "everything"; the earliest finish wins.
+            event("stalled pipeline")
+            chosen = decision.chosen
+            assert chosen is not None
+            assert math.isclose(chosen.remaining_s + chosen.cost_s, finish, rel_tol=1e-9)
     else:
         assert ours <= best + 1e-9

@@ -79,6 +79,22 @@ def test_valid_sizes_respect_unit_dp_sizes_and_bounds() -> None:
     assert free.num_valid_sizes(0, 100_000) == 100_001
 
 
+@pytest.mark.parametrize("low", [0, 1, 4, 9])
+@pytest.mark.parametrize("high", [0, 3, 8, 24, 100])
+def test_a_parkable_node_may_hold_zero_and_its_size_views_agree(low: int, high: int) -> None:
+    parked = trainer(dp_sizes=(1, 2, 4, 8), min_devices=8, max_devices=24, parkable=True)
+    fixed = trainer(dp_sizes=(1, 2, 4, 8), min_devices=8, max_devices=24)
+    valid = [n for n in range(low, high + 1) if parked.is_valid_size(n)]
+    assert valid == [n for n in (0, 8, 16) if low <= n <= high]
+    assert list(parked.valid_sizes(low, high, 64)) == valid
+    assert parked.num_valid_sizes(low, high) == len(valid)
+    # Without parking only the minimum and above; 0 (or anything in between) never.
+    assert [n for n in range(low, high + 1) if fixed.is_valid_size(n)] == [n for n in valid if n]
+    assert list(fixed.valid_sizes(low, high, 64)) == [n for n in valid if n]
+    assert fixed.num_valid_sizes(low, high) == len([n for n in valid if n])
+    assert not parked.is_valid_size(4) and parked.zero_allowed and not fixed.zero_allowed
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [

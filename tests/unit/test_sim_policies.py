@@ -7,12 +7,13 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import pytest
-from sim_support import small
+from sim_support import shipped, small
 
 from dynarl.bus import ComponentReport, DecisionRecord, MigrationRecord
-from dynarl.sched import DeviceMove, FifoPolicy, PriorityPolicy
+from dynarl.sched import DeviceMove, FifoPolicy, PriorityPolicy, Resize
 from dynarl.sim import (
     DynarlPolicy,
+    ModelledMigrationCost,
     RlinfRule,
     SimPolicy,
     Simulation,
@@ -25,6 +26,7 @@ from dynarl.sim import (
     start_partition,
 )
 from dynarl.sim.policies import POLICY_NAMES
+from dynarl.types import MigrationKind
 
 
 class Recorder:
@@ -178,8 +180,72 @@ def test_migration_bytes_per_kind() -> None:
     assert grow == int(state * (1 - f) * 6 / tp + state * f * (1 - 2 / 8))
     assert migration_bytes(w, "trainer", 8, 2) == int(state * f * (1 - 2 / 8))
     assert migration_bytes(w, "trainer", 4, 4) == 0
+    # Park and unpark: all the state the GPUs hold goes to or comes from the host.
+    assert migration_bytes(w, "trainer", 0, 8) == int(state * (1 - f) * 8 / tp + state * f)
+    assert migration_bytes(w, "trainer", 8, 0) == migration_bytes(w, "trainer", 0, 8)
     with pytest.raises(ValueError, match="nope"):
         migration_bytes(w, "nope", 1, 2)
+
+
+def test_parking_and_unparking_cost_the_state_over_the_host_links() -> None:
+    w = shipped("math-7b-64gpu")
+    cost = ModelledMigrationCost(
+        spec=w.migration, sharded_state_fraction=w.model.sharded_state_fraction
+    )
+    state, tp = w.model.state_bytes, w.trainer.tp
+
+    def trainer(old: int, new: int) -> Resize:
+        return Resize(
+            component="trainer",
+            migration=MigrationKind.P2P,
+            old_devices=old,
+            new_devices=new,
+            tp=tp,
+            state_bytes=state,
+        )
+
+    # 7B on its 4-GPU minimum (TP 4, DP 1): 30.5 GB a GPU over 50 GB/s, ~0.61 s.
+    assert w.trainer.parkable and w.trainer.min_gpus == 4
+    assert cost.estimate((trainer(0, 4),)).seconds == pytest.approx(state / 4 / 50e9)
+    assert cost.estimate((trainer(4, 0),)).seconds == pytest.approx(0.6096, abs=1e-3)
+    # At DP 8 each GPU holds its replicated quarter and an eighth of the sharded part.
+    per_gpu = state / tp * (0.25 + 0.75 / 8)
+    assert cost.estimate((trainer(32, 0),)).seconds == pytest.approx(per_gpu / 50e9)
+    # A reshard between non-zero sizes keeps its P2P figure; a move costs its slowest part.
+    assert cost.estimate((trainer(4, 8),)).seconds == w.migration.p2p_s
+    rollout = Resize(
+        component="rollout", migration=MigrationKind.WORKLOAD, old_devices=8, new_devices=4
+    )
+    assert cost.estimate((trainer(0, 4), rollout)).seconds == w.migration.workload_s
+
+
+def test_a_parked_trainer_is_unparked_by_the_scheduler_at_the_host_link_cost() -> None:
+    policy = DynarlPolicy()
+    sim, _ = _run(policy)
+    assert sim.workload.trainer.parkable
+    column = sim.timeline.components.index("trainer")
+    assert sim.timeline.counts[0][column] == 0
+    assert policy.scheduler is not None
+    unparks = [
+        m
+        for m in policy.scheduler.ledger.query(kind="migration")
+        if isinstance(m, MigrationRecord)
+        and m.component == "trainer"
+        and not m.src_devices
+        and not m.decision_id.startswith(("barrier", "unpark"))
+    ]
+    assert unparks, "the scheduler never unparked the trainer"
+    for m in unparks:
+        unpark = Resize(
+            component="trainer",
+            migration=MigrationKind.P2P,
+            old_devices=0,
+            new_devices=len(m.dst_devices),
+            tp=sim.nodes["trainer"].tp,
+            state_bytes=sim.nodes["trainer"].state_bytes,
+        )
+        # The move lasts its slowest part: at least the state's trip over the host links.
+        assert m.pause_s >= sim.cost.park_seconds(unpark) > 0
 
 
 def test_dynarl_ledger_records_the_bytes_each_migration_moves() -> None:
@@ -266,20 +332,43 @@ def test_moves_charge_the_modelled_pause() -> None:
     assert math.isfinite(arrived)
 
 
+@pytest.mark.parametrize("parkable", [False, True])
 @pytest.mark.parametrize("kind", ["math", "agentic"])
-def test_dynarl_completes_every_iteration_when_its_scheduler_never_moves(kind: str) -> None:
-    # Safe mode and observe_only freeze the allocation: the iteration-start allocation
-    # must run an iteration on its own, so every stage starts with at least one replica
-    # (inference's minimum is 0 in the shipped files; starting it there deadlocked).
+def test_dynarl_completes_every_iteration_when_its_scheduler_never_moves(
+    kind: str, parkable: bool
+) -> None:
+    # Safe mode and observe_only freeze the allocation. Without parking every stage starts
+    # with at least one replica (inference's minimum is 0 in the shipped files; starting
+    # it there deadlocked). A parkable trainer and a zero-minimum inference start parked,
+    # and the pipeline rule gives each its minimum once rollout is done.
     base = replace(small(kind), num_iterations=2)
-    workload = replace(base, scheduler=replace(base.scheduler, observe_only=True))
+    workload = replace(
+        base,
+        scheduler=replace(base.scheduler, observe_only=True),
+        trainer=replace(base.trainer, parkable=parkable),
+    )
     start = start_partition(workload)
     assert workload.inference.min_gpus == 0
-    assert start["inference"] >= workload.inference.tp
-    assert start["trainer"] >= workload.trainer.tp
+    if parkable:
+        assert start["inference"] == start["trainer"] == 0
+        assert start["rollout"] == workload.cluster.num_gpus
+    else:
+        assert start["inference"] >= workload.inference.tp
+        assert start["trainer"] >= workload.trainer.tp
     policy = DynarlPolicy()
     sim = Simulation(workload, request_policy=policy.request_policy)
     result = sim.run(policy)
     assert [it.index for it in result.iterations] == [0, 1]
     assert all(it.samples == workload.batch.num_samples for it in result.iterations)
     assert sim.timeline.counts[0][:3] == (start["rollout"], start["inference"], start["trainer"])
+    column = sim.timeline.components.index("trainer")
+    held = {row[column] for row in sim.timeline.counts}
+    if not parkable:
+        assert held == {start["trainer"]}
+        return
+    # Both stalled once rollout is done: inference gets a replica, the trainer every
+    # other device but rollout's last engine, at a whole number of its replicas.
+    idle = workload.cluster.num_gpus - workload.rollout.tp - workload.inference.tp
+    unparked = idle - idle % workload.trainer.tp
+    assert unparked >= max(workload.trainer.min_gpus, workload.trainer.tp)
+    assert held == {0, unparked}

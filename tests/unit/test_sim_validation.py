@@ -38,19 +38,21 @@ def speedup(workload: str, policy: str, baseline: str) -> float:
 
 
 def test_math_7b_64gpu_dynarl_over_static_sequential_as_modelled() -> None:
-    """The paper reports 1.4-1.7x here; this calibration gives ~1.18x, and no policy 1.4x.
+    """The paper reports 1.4-1.7x here; this calibration gives ~1.20x, and no policy 1.4x.
 
     Static-sequential is rollout on 64 GPUs (~410 s) then log-prob and training (~237 s).
-    dynarl can only overlap these with rollout's tail: until ~92% of the samples are done
-    (~250 s) fewer than 80% of the engines are below U_low = 0.2 of their KV (Stage 1 finds
-    no donor), and the tail it then merges onto fewer engines decodes slower (its long
-    contexts make each step read more KV), so rollout ends ~69 s later (~479 s) and ~67 s
-    of training follows it. ``examples/workloads/overlap_bound.py`` finds no rollout shrink
-    schedule beating ~491 s per iteration (1.31x), even with free migrations and perfect
-    packing; ``examples/workloads/sensitivity.py`` shows no single modelling choice (KV
-    read cost, roofline GEMMs, KV capacity, downstream speed) taking dynarl past 1.24x.
-    Why the paper's figure is higher: docs/workloads.md, "Validation". If the model ever
-    reaches the paper's range this test fails, and the reason is revisited.
+    dynarl starts with rollout on all 64 GPUs too (the trainer parked in host memory, A22)
+    and can only overlap the downstream with rollout's tail: until ~91% of the samples are
+    done (~225 s) fewer than 80% of the engines are below U_low = 0.2 of their KV (Stage 1
+    finds no donor), and the tail it then merges onto fewer engines decodes slower (its
+    long contexts make each step read more KV), so rollout ends ~48 s later (~458 s) and
+    ~75 s of training follows it. ``examples/workloads/overlap_bound.py`` finds no rollout
+    shrink schedule beating ~484 s per iteration (1.33x), even with free migrations and
+    perfect packing; ``examples/workloads/sensitivity.py`` showed no single modelling
+    choice (KV read cost, roofline GEMMs, KV capacity, downstream speed) taking dynarl past
+    1.24x before parking. Why the paper's figure is higher: docs/workloads.md,
+    "Validation". If the model ever reaches the paper's range this test fails, and the
+    reason is revisited.
     """
     ratio = speedup("math-7b-64gpu", "dynarl", "static-sequential")
     assert 1.1 <= ratio < 1.4
@@ -66,7 +68,26 @@ def test_agentic_priority_beats_plain_dynarl() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workload", ["agentic-32b-128gpu", "agentic-7b-64gpu"])
+@pytest.mark.parametrize(
+    "workload",
+    [
+        "agentic-32b-128gpu",
+        pytest.param(
+            "agentic-7b-64gpu",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a tie: dynarl+priority 516.1 s against dynarl 515.6 s an iteration "
+                "(-0.1%), with the same re-prefill share (0.56). The iteration is set by a "
+                "race, not by request order: a decision round runs on rollout's report "
+                "while inference's is one interval old, releases inference's last replica "
+                "just as rollout's last group reaches it, and that group waits ~100 s for "
+                "the trainer to free devices. Both runs now meet it in the second "
+                "measured iteration; before the trainer parked plain dynarl met it in "
+                "both and priority in one, which was priority's +1.4% here.",
+            ),
+        ),
+    ],
+)
 def test_agentic_priority_beats_plain_dynarl_elsewhere(workload: str) -> None:
     assert speedup(workload, "dynarl+priority", "dynarl") > 1.0
 
@@ -88,9 +109,9 @@ def test_u_low_sweep_loses_at_0_01_against_the_plateau() -> None:
 @pytest.mark.xfail(
     strict=True,
     reason="on math-1.5b-64gpu every rollout engine stays below ~0.2 of its KV capacity "
-    "(8192 sequences over 60 engines of 2.4M tokens), so from U_low = 0.2 up Stage 1 flags "
+    "(8192 sequences over 64 engines of 2.4M tokens), so from U_low = 0.2 up Stage 1 flags "
     "rollout as a donor T seconds into every iteration and Stage 2 alone decides: U_low 0.2, "
-    "0.3 and 0.5 give runs within 0.1% of each other (0.5 is on the plateau). The paper's "
+    "0.3 and 0.5 give the same run (0.5 is on the plateau). The paper's "
     "loss at 0.5 (-14.1%, 'reluctant to reconfigure') would need the opposite of Stage 1's "
     "rule (a higher U_low means more donors), or engines much fuller than this calibration's.",
 )
@@ -118,18 +139,24 @@ def _ramp(policy: str, gpus: int) -> float:
     return sum(times) / len(times)
 
 
+def test_held_out_7b_timeline_with_priority_within_15_percent() -> None:
+    """Held out: with priority the paper's trainer holds 52 GPUs at ~380 s. Here ~433 s
+    (+14%): rollout starts on all 64 GPUs (the trainer parked), Stage 1 first flags it at
+    ~225 s and the trainer grows with each release until rollout's last engines go."""
+    assert _ramp("dynarl+priority", 52) == pytest.approx(380.0, rel=0.15)
+
+
 @pytest.mark.xfail(
     strict=True,
-    reason="held-out fact: the paper's trainer holds 52 GPUs at ~380 s with priority and 32 at "
-    "~420 s without; the simulator gives 52 at ~467 s with priority (+23%) and 32 at ~323 s "
-    "without (-23%). Both runs follow one ramp (32 GPUs near 320 s, 52 near 450-480 s): math "
-    "requests never call tools (k_r = 0) and a GRPO group's siblings share one engine and one "
-    "cached prompt, so DynaRL's key (k_r, m_r) orders them as FIFO does, and a re-dispatched "
-    "partial request finds nothing of its own cached on its new engine. The paper's gap "
-    "between the two runs has no mechanism in this model.",
+    reason="held-out fact: without priority the paper's trainer reaches 32 GPUs only at "
+    "~420 s; the simulator gives ~290 s (-31%), on the same ramp as with priority (32 GPUs "
+    "near 290 s, 52 near 430-440 s): math requests never call tools (k_r = 0) and a GRPO "
+    "group's siblings share one engine and one cached prompt, so DynaRL's key (k_r, m_r) "
+    "orders them as FIFO does, and a re-dispatched partial request finds nothing of its own "
+    "cached on its new engine. The paper's gap between the two runs has no mechanism in "
+    "this model.",
 )
-def test_held_out_7b_timeline_within_15_percent() -> None:
-    assert _ramp("dynarl+priority", 52) == pytest.approx(380.0, rel=0.15)
+def test_held_out_7b_timeline_without_priority_within_15_percent() -> None:
     assert _ramp("dynarl", 32) == pytest.approx(420.0, rel=0.15)
 
 

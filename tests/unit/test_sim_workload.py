@@ -16,18 +16,18 @@ from dynarl.sim import build_trace, dump_workload, file_hash, load_workload, wit
 from dynarl.sim.workload import workload_from_dict
 
 HASHES = {
-    "agentic-1.5b-128gpu": "d2d8233e0e7c998012666115a2bb188a12662777bb7936274e97f0ad16cd4cce",
-    "agentic-1.5b-64gpu": "663ffa884d5296cbea1973e7ccd3db3ecb57727223e72bca16c465f32755ca67",
-    "agentic-32b-128gpu": "18561d126365c30050ad7a89741134f3a1194be7fd67139d79d4f08465a23452",
-    "agentic-32b-64gpu": "012ead57c7d6d2db060d28328f141374c38dabf7816e731f06cc0822efd8bd8f",
-    "agentic-7b-128gpu": "4713e6eba732b77cc65ce3599a2e789d8da7b1d77bacc35dd8aa24b0be455678",
-    "agentic-7b-64gpu": "52bfad90f9ff195240e3af2cf80313624718837bfd84821c05d114f481e22620",
-    "math-1.5b-128gpu": "d0202179cbfe8e8310cc088698feee78e095efbfaa01a2c4a82fa13ae4cbb206",
-    "math-1.5b-64gpu": "8172d4bd4d82d2b4040d1d8f5f7437b461c2265b0e3cfbf5ff91de3c52c06d3d",
-    "math-32b-128gpu": "42db4148aa060858a4208a60aa5259d7b7ebb03a87e6f9972f6209ccc342d3cc",
-    "math-32b-64gpu": "74a7c41736049618dc7cade588d6b09b779221806f11bcc9158f02e28c7b2b78",
-    "math-7b-128gpu": "386ae4f9465d8b0f00619d55edff686e7685d0645d5007f9ec2989910348ca5c",
-    "math-7b-64gpu": "128f62356ec30e26f0dfc8a327b84f16995861a6514e8aff6e72f76681220e32",
+    "agentic-1.5b-128gpu": "be7adf0af40c98678b519a3ce9a7f94aaaa9ec3c9108c7e0b8dd972fecebd89a",
+    "agentic-1.5b-64gpu": "53680a68cca33e3dee24821a7765998b49676ae77b34a2db86158689ecf29fb3",
+    "agentic-32b-128gpu": "409b9c3bcff703b12fe6aba2c2b477730552a40785c09e32ce9de357798048dc",
+    "agentic-32b-64gpu": "f3bacb8b3fe9b77fdf318350e66ba6d568f4b5ddc934e1bdb22b3479f34cd59b",
+    "agentic-7b-128gpu": "95bfc569a6d5441dc97542fcd4ded18bade25b1a0ea39bc910d7694b459c690b",
+    "agentic-7b-64gpu": "52cc2f9b692b09c860d7d3cbf1fc4afb0c2e7cc7d3549449838c1d99839c3acd",
+    "math-1.5b-128gpu": "3d1f77dda0c8c9048275383cdcc7c4254aa287bc2a4a1a71880b7f993e9fe25d",
+    "math-1.5b-64gpu": "d9ce7c415057c842f8f73d55f218750026ad14766ca22e31308a5fde6891c225",
+    "math-32b-128gpu": "11bc2cb7c3f2ba794ec349aba8d32e5de433b05b6455b1fa06648875086b438e",
+    "math-32b-64gpu": "755d94ab8b93289ac42f5cb8a2a98d4c6bdb376af05358adae87241e962bccf0",
+    "math-7b-128gpu": "e119c9b06cb8ffb30fa0522f81f574799618aeb7695c2a89aa85fd398962d375",
+    "math-7b-64gpu": "ca053669401aa0c3a14914d3ac089fa82b016681943aaf6b227ed88c3b009c28",
 }
 """SHA-256 of every shipped workload file (regenerate with calibrate.py, then update)."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 from sched_support import PowerLawPredictor, report, stats_of
@@ -326,3 +327,77 @@ def test_a_donor_keeps_one_replica_while_its_inputs_are_still_coming(
     # all of it only once nothing more can come from rollout.
     assert decision.chosen.size("inference") == floor
     assert decision.chosen.size("trainer") == 14 - 8 - floor
+
+
+PARKABLE = HyperNode(
+    name="trainer",
+    kind=ComponentKind.TRAINER,
+    migration=MigrationKind.P2P,
+    tp=2,
+    dp_sizes=(1, 2, 4, 8),
+    min_devices=2,
+    parkable=True,
+    predecessors=("rollout",),
+)
+
+
+@dataclass(frozen=True)
+class PerDeviceCost:
+    """Seconds per device a move adds somewhere (a cost that grows with the move)."""
+
+    seconds_per_device: float
+
+    def estimate(self, resizes: tuple[Resize, ...]) -> CostEstimate:
+        added = sum(max(0, r.new_devices - r.old_devices) for r in resizes)
+        return CostEstimate(seconds=self.seconds_per_device * added, bytes=0)
+
+
+def test_a_stalled_pipeline_ranks_its_ways_out_by_finish_time_not_by_an_infinite_gain() -> None:
+    # The trainer is parked with 1000 items queued: the current allocation never finishes.
+    nodes = {"rollout": ROLLOUT, "trainer": PARKABLE}
+    decision = decide(
+        nodes=nodes,
+        allocation=Allocation.of({"rollout": range(0, 16)}),
+        free=(),
+        stats=tail_stats(),
+        donors=[DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.05)],
+        predictor=predictor(),
+        cost=PerDeviceCost(4.0),
+        config=SchedulerConfig(num_devices_per_node=8),
+        time=0.0,
+    )
+    assert math.isinf(decision.current.remaining_s)
+    assert decision.committed and decision.chosen is not None
+    ranked = [decision.chosen, *(r.candidate for r in decision.rejected)]
+    finish = [c.remaining_s + c.cost_s for c in ranked]
+    assert all(math.isfinite(f) for f in finish) and finish == sorted(finish)
+    # 10 items/s a device: 2 -> 50 s + 8 s, 4 -> 25 s + 16 s, 8 -> 12.5 s + 32 s. The
+    # fastest trainer (8) is not the earliest finish once its move is paid for.
+    assert {c.size("trainer") for c in ranked} == {2, 4, 8}
+    assert decision.chosen.size("trainer") == 4
+    assert decision.chosen.remaining_s + decision.chosen.cost_s == pytest.approx(41.0)
+    assert all("later than the chosen" in r.reason for r in decision.rejected)
+
+
+def test_a_parked_component_with_nothing_queued_is_no_reason_to_move() -> None:
+    # Rollout still generates (its inputs keep the trainer's queue empty for now).
+    nodes = {"rollout": ROLLOUT, "trainer": PARKABLE}
+    stats = stats_of(
+        report("rollout", remaining=400, utilization=(0.05,) * 16),
+        report("trainer", kind="trainer", remaining=0, queue_depth=0, utilization=()),
+    )
+    decision = decide(
+        nodes=nodes,
+        allocation=Allocation.of({"rollout": range(0, 16)}),
+        free=(),
+        stats=stats,
+        donors=[DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.05)],
+        predictor=predictor(),
+        cost=COST,
+        config=SchedulerConfig(num_devices_per_node=8),
+        time=0.0,
+    )
+    assert math.isfinite(decision.current.remaining_s)
+    assert decision.current.bottleneck == "rollout"
+    assert not decision.committed
+    assert all(r.candidate.size("trainer") == 0 for r in decision.rejected)

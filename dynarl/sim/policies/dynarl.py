@@ -21,10 +21,20 @@ to its initial size"). The move is the pipeline's, not a decision: the scheduler
 reports while it runs (a barrier is not an interruptible point) and learns its result
 as an external :class:`MoveOutcome`. A scheduler move still in flight at the barrier
 finishes first.
+
+A parkable trainer starts each iteration parked (0 devices, its state in host memory) and
+so does inference when its minimum is 0; the scheduler unparks them by its own moves (the
+modelled cost is the host-link transfer). One more pipeline rule keeps an iteration
+finite when the scheduler does not move (safe mode, ``observe_only``) or has not yet:
+once rollout is done, a stage that still holds no device while it has work left is
+unparked onto idle devices (rollout's, a finished inference's): inference at its minimum
+(at least one replica), the trainer onto every idle device, as an external move like the
+barrier's.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 from dynarl.bus import ComponentReport, MigrationRecord
@@ -45,6 +55,8 @@ from dynarl.sim.profile import predictor_profiles, start_partition
 from dynarl.sim.simulator import Simulation
 from dynarl.types import Allocation
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["DynarlPolicy"]
 
 
@@ -63,6 +75,7 @@ class DynarlPolicy:
         self.initial: dict[str, int] = {}
         self._workers = (-1, -1)
         self._barrier: int | None = None  # iteration whose barrier move waits for a move
+        self._unpark = False  # rollout is done: check for stages stalled at 0 devices
         self._restoring = False
 
     def request_policy(self) -> RequestPolicy:
@@ -117,16 +130,33 @@ class DynarlPolicy:
                 self._execute(sim, command)
 
     def on_event(self, sim: Simulation, event: str, iteration: int, index: int = 0) -> None:
-        """At an iteration's end, return to the iteration-start allocation (the barrier rule)."""
-        if event != "iteration_end":
+        """At an iteration's end, return to the iteration-start allocation (the barrier
+        rule); once rollout or inference is done, unpark a stalled stage (the module
+        docstring)."""
+        if event == "iteration_end":
+            self._barrier = iteration
+        elif event in ("rollout_done", "inference_done"):
+            self._unpark = True
+        else:
             return
-        assert self.scheduler is not None
-        self._barrier = iteration
-        if self.scheduler.safety.in_flight is None:
-            self._restore(sim)
+        self._pipeline_moves(sim)
 
-    def _restore(self, sim: Simulation) -> None:
-        iteration, self._barrier = self._barrier, None
+    def _pipeline_moves(self, sim: Simulation) -> None:
+        """Run a pending pipeline move (the barrier first) once no move is in flight."""
+        assert self.scheduler is not None
+        if self._restoring or self.scheduler.safety.in_flight is not None:
+            return
+        if self._barrier is not None:
+            iteration, self._barrier = self._barrier, None
+            self._unpark = False
+            self._pipeline_move(sim, self.initial, f"barrier-{iteration}")
+        elif self._unpark:
+            self._unpark = False
+            wanted = _unstalled(sim)
+            if wanted is not None:
+                self._pipeline_move(sim, wanted, f"unpark-{sim.iteration}")
+
+    def _pipeline_move(self, sim: Simulation, sizes: Mapping[str, int], move_id: str) -> None:
         before, start = sim.allocation, sim.loop.now
         self._restoring = True
 
@@ -135,16 +165,17 @@ class DynarlPolicy:
             assert self.scheduler is not None
             after = sim.allocation
             outcome = MoveOutcome(
-                decision_id=f"barrier-{iteration}",
+                decision_id=move_id,
                 ok=True,
                 allocation=after,
-                records=self._records(sim, f"barrier-{iteration}", before, after, start),
+                records=self._records(sim, move_id, before, after, start),
                 external=True,
             )
             for follow in self.scheduler.handle(outcome):
                 self._execute(sim, follow)
+            self._pipeline_moves(sim)
 
-        sim.restore(self.initial, on_done=done)
+        sim.restore(sizes, on_done=done)
 
     def _execute(self, sim: Simulation, command: MigrationCommand) -> None:
         before = sim.allocation
@@ -167,8 +198,7 @@ class DynarlPolicy:
         )
         for follow in self.scheduler.handle(outcome):
             self._execute(sim, follow)
-        if self._barrier is not None and self.scheduler.safety.in_flight is None:
-            self._restore(sim)
+        self._pipeline_moves(sim)
 
     def _records(
         self, sim: Simulation, decision_id: str, before: Allocation, after: Allocation, start: float
@@ -198,3 +228,58 @@ class DynarlPolicy:
                 )
             )
         return tuple(records)
+
+
+def _unstalled(sim: Simulation) -> dict[str, int] | None:
+    """Sizes that unpark every stalled stage, or None when none is stalled (or can be yet).
+
+    Once rollout is done, a stage (inference, the trainer) is stalled when it holds no
+    device while it has items of the iteration left. The idle devices are the free ones,
+    rollout's but one engine, and a finished inference's. A stalled inference gets its
+    minimum (at least one replica) from them; a stalled trainer, the last stage, every
+    idle device left at its largest valid size, as a colocated trainer onloads onto every
+    GPU. Returns None, waiting for inference to finish, when the trainer's minimum is not
+    idle yet.
+    """
+    w = sim.workload
+    left = sim.remaining()
+    if left["rollout"] > 0:
+        return None
+    counts = {name: len(sim.holders[name]) for name in COMPONENTS}
+    specs = {"inference": w.inference, "trainer": w.trainer}
+    stalled = [
+        name
+        for name, spec in specs.items()
+        if counts[name] == 0 and left[name] > 0 and not spec.fused
+    ]
+    if not stalled:
+        return None
+    spare = {
+        "rollout": max(counts["rollout"] - w.rollout.tp, 0),
+        "inference": counts["inference"] if left["inference"] == 0 else 0,
+    }
+    idle = len(sim.free) + sum(spare.values())
+    wanted = dict(counts)
+    if "inference" in stalled:
+        wanted["inference"] = max(w.inference.min_gpus, w.inference.tp)
+        idle -= wanted["inference"]
+    if "trainer" in stalled:
+        fits = [n for n in sim.nodes["trainer"].valid_sizes(1, idle, 1 << 30) if n <= idle]
+        if not fits or idle < 0:
+            logger.info("the trainer stays parked until inference is done (%d idle)", idle)
+            return None
+        wanted["trainer"] = fits[-1]
+        idle -= fits[-1]
+    if idle < 0:
+        return None
+    # Take what the stalled stages get from the donors' idle devices, whole replicas.
+    need = sum(wanted[n] for n in stalled) - len(sim.free)
+    for donor in ("inference", "rollout"):
+        unit = w.inference.tp if donor == "inference" else w.rollout.tp
+        take = min(-(-max(need, 0) // unit) * unit, spare[donor] - spare[donor] % unit)
+        wanted[donor] -= take
+        need -= take
+    if need > 0:
+        return None
+    logger.info("unparking %s at t=%.1f s: %s", stalled, sim.loop.now, wanted)
+    return wanted
