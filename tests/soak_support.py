@@ -88,6 +88,25 @@ def memory_growth_per_min(samples: Sequence[ResourceSample], *, warmup_s: float 
     return slope * 60.0
 
 
+def growth_by_process(
+    samples: Sequence[ResourceSample], *, warmup_s: float = 0.0
+) -> dict[int, float]:
+    """:func:`memory_growth_per_min` of each process seen in every sample after the
+    warm-up (bytes per minute, by pid): which process of the tree grows."""
+    start = samples[0].time + warmup_s if samples else 0.0
+    late = [s for s in samples if s.time >= start]
+    pids = set.intersection(*(set(s.rss) for s in late)) if late else set()
+    return {pid: memory_growth_per_min([_only(s, pid) for s in late]) for pid in sorted(pids)}
+
+
+def _only(sample: ResourceSample, pid: int) -> ResourceSample:
+    """``sample`` reduced to the memory of ``pid``."""
+    return ResourceSample(
+        time=sample.time, rss={pid: sample.rss[pid]}, num_fds=0, num_sockets=0,
+        pids=frozenset({pid}), pgids=frozenset(),
+    )  # fmt: skip
+
+
 def leaks(baseline: ResourceSample, now: ResourceSample) -> list[str]:
     """What ``now`` holds beyond ``baseline``: file descriptors, sockets, processes,
     process groups (empty when everything came back)."""

@@ -52,6 +52,10 @@ class CommGroup:
     """The registered process group."""
     build_s: float = field(default=0.0, compare=False)
     """Seconds spent building it on this rank (rendezvous included)."""
+    rendezvous_key: str = field(default="", compare=False)
+    """This rank's Gloo rendezvous key in ``store`` (deleted on close; "" for none)."""
+    store: Store | None = field(default=None, repr=False, compare=False)
+    """The group's prefix of the job's store, where its ranks met."""
 
     def group_rank(self, rank: int) -> int:
         """Position of global ``rank`` in the group; ValueError if it is not a member."""
@@ -64,6 +68,17 @@ class CommGroup:
         """Shut the backend down and unregister the group (idempotent)."""
         if self.pg in c10d._world.pg_map:
             dist.destroy_process_group(self.pg)
+        # torch empties the group's tag list but keeps the key, and the store keeps every
+        # rank's address: one each per name, and every layout epoch has new names (a job
+        # that reshards for days would keep them all).
+        tags = c10d._world.tags_to_pg
+        if not tags.get(f"ptd:{self.name}", True):
+            del tags[f"ptd:{self.name}"]
+        if self.store is not None and self.rendezvous_key:
+            try:
+                self.store.delete_key(self.rendezvous_key)
+            except (RuntimeError, dist.DistError) as err:  # the store is gone: nothing to free
+                logger.debug("group %s: rendezvous key not deleted: %s", self.name, err)
 
 
 def build_group(
@@ -108,7 +123,11 @@ def build_group(
     _register(pg, name=name, backend=backend, store=prefix, ranks=ranks)
     elapsed = time.perf_counter() - start
     logger.debug("built group %s (%s, %d ranks) in %.4f s", name, backend, size, elapsed)
-    return CommGroup(name=name, ranks=ranks, pg=pg, build_s=elapsed)
+    # Gloo's full-mesh rendezvous writes "<device index>/<group rank>" under the prefix.
+    key = f"0/{group_rank}" if backend == "gloo" else ""
+    return CommGroup(
+        name=name, ranks=ranks, pg=pg, build_s=elapsed, rendezvous_key=key, store=prefix
+    )
 
 
 def _register(

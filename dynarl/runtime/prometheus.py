@@ -37,6 +37,7 @@ import importlib.util
 import logging
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,9 @@ _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 _PAUSE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ERROR_BUCKETS = (-0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 _REQUEST_TIMEOUT_S = 5.0
+_RECENT_ROUNDS = 4096
+"""Uncommitted rounds remembered to count a re-appended one once (the scheduler never
+re-appends them; committed decisions, whose effects are filled in later, are all kept)."""
 
 
 def metrics_available() -> bool:
@@ -154,6 +158,10 @@ class MetricsExporter:
         self.registry.register(_SchedulerCollector(scheduler))
         self._build(client)
         self._seen: set[tuple[str, str]] = set()
+        """Committed decisions, migrations and safe-mode records counted (as the ledger,
+        which keeps them all)."""
+        self._rounds: OrderedDict[str, None] = OrderedDict()
+        """The most recent uncommitted rounds counted (a long job has one a second)."""
         self._measured: set[str] = set()
         self._server: asyncio.Server | None = None
         scheduler.ledger.add_listener(self.observe)
@@ -231,9 +239,7 @@ class MetricsExporter:
                 pass
 
     def _decision(self, record: DecisionRecord) -> None:
-        key = ("decision", record.decision_id)
-        if key not in self._seen:
-            self._seen.add(key)
+        if self._first_sight(record):
             self.rounds.labels(result=_result(record)).inc()
             self.rejected.inc(len(record.rejected))
         error = record.prediction_error
@@ -245,6 +251,19 @@ class MetricsExporter:
             if delta is not None and math.isfinite(record.expected_gain_s):
                 self.predicted_gain.inc(max(record.expected_gain_s, 0.0))
                 self.realised_gain.inc(-delta)
+
+    def _first_sight(self, record: DecisionRecord) -> bool:
+        """Whether ``record`` is the round's first append (not its realised effects)."""
+        seen = record.decision_id in self._rounds
+        if not record.committed:
+            self._rounds[record.decision_id] = None
+            while len(self._rounds) > _RECENT_ROUNDS:
+                self._rounds.popitem(last=False)
+            return not seen
+        key = ("decision", record.decision_id)
+        seen |= key in self._seen
+        self._seen.add(key)
+        return not seen
 
     def _migration(self, record: MigrationRecord) -> None:
         labels = {"kind": record.kind, "component": record.component}

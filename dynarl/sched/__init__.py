@@ -96,6 +96,7 @@ from dynarl.sched.predictor import (
 from dynarl.sched.records import (
     ComponentObservation,
     ObservationRecord,
+    RoundsRecord,
     SafeModeRecord,
 )
 from dynarl.sched.replicas import (
@@ -215,6 +216,7 @@ __all__ = [
     "RequestQueue",
     "Resize",
     "RolloutUtilization",
+    "RoundsRecord",
     "RoutedItem",
     "Routing",
     "SafeModeEpisode",

@@ -13,8 +13,16 @@ exporter) see every append. A long job's ledger keeps its memory bounded with
 ``keep_recent``: committed decisions, migrations and safe-mode transitions stay in memory,
 but only the most recent ``keep_recent`` of the other records (uncommitted rounds and
 observations, one pair per decision round) do — the file keeps them all, and
-:meth:`Ledger.load` reads them back. Runs on the controller, in the scheduler's loop; appends are
-small and flushed, not fsynced (the allocation journal is the runtime's durable record).
+:meth:`Ledger.load` reads them back. The file stays lean without losing a record:
+consecutive uncommitted decision rounds that differ only in id, time, reason and
+predicted throughputs (a job holding round after round) are written as one
+:class:`~dynarl.sched.records.RoundsRecord` line when the run ends — at the next round
+that does not join it, every ``max_rounds_per_line`` rounds, at :meth:`Ledger.flush` and
+at :meth:`Ledger.close` — and :meth:`Ledger.load` expands it back into the very rounds
+(files written before it existed read as they always did). Memory and listeners see every
+round at once, as before. Runs on the controller, in the scheduler's loop; appends are
+small and flushed, not fsynced (the allocation journal is the runtime's durable record):
+a crash loses at most the pending run of uncommitted rounds.
 """
 
 from __future__ import annotations
@@ -31,7 +39,13 @@ from typing import IO, Any, Literal
 import msgspec
 
 from dynarl.bus.records import DecisionRecord, MigrationRecord
-from dynarl.sched.records import ObservationRecord, SafeModeRecord
+from dynarl.sched.records import (
+    ObservationRecord,
+    RoundsRecord,
+    SafeModeRecord,
+    fold_rounds,
+    joins_rounds,
+)
 
 __all__ = ["Ledger", "LedgerRecord", "RecordKind"]
 
@@ -43,7 +57,7 @@ RecordKind = Literal["decision", "migration", "safety", "observation"]
 """How :meth:`Ledger.query` names the record types."""
 _ENCODER = msgspec.json.Encoder()
 # Lax decoding reads the strings "inf", "-inf" and "nan" back into float fields.
-_DECODER = msgspec.json.Decoder(LedgerRecord, strict=False)
+_DECODER = msgspec.json.Decoder(LedgerRecord | RoundsRecord, strict=False)
 
 
 def _record_kind(record: LedgerRecord) -> RecordKind:
@@ -74,12 +88,12 @@ def _finite(value: Any) -> Any:
         return str(value)
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):
         return [_finite(v) for v in value]
     return value
 
 
-def _encode(record: LedgerRecord) -> bytes:
+def _encode(record: LedgerRecord | RoundsRecord) -> bytes:
     """One JSON line (without the newline) of ``record``; non-finite floats as strings."""
     return _ENCODER.encode(_finite(msgspec.to_builtins(record)))
 
@@ -88,19 +102,31 @@ class Ledger:
     """Decision and migration records: an in-memory index plus an optional JSONL sink.
 
     Use as a (sync or async) context manager, or call :meth:`close`. Raises ValueError
-    for a record id that is unknown when filling in realised effects, and for a
-    ``keep_recent`` below 1 or given without a ``path`` (memory would be the only copy).
+    for a record id that is unknown when filling in realised effects, for a
+    ``keep_recent`` below 1 or given without a ``path`` (memory would be the only copy),
+    and for a ``max_rounds_per_line`` below 1 (1: every round on its own line).
     """
 
     def __init__(
-        self, path: str | os.PathLike[str] | None = None, *, keep_recent: int | None = None
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        keep_recent: int | None = None,
+        max_rounds_per_line: int = 128,
     ) -> None:
         if keep_recent is not None and (keep_recent < 1 or path is None):
             raise ValueError(
                 f"Ledger keep_recent must be >= 1 and needs a path, got {keep_recent!r}"
                 f" with path {path!r}"
             )
+        if max_rounds_per_line < 1:
+            raise ValueError(
+                f"Ledger max_rounds_per_line must be >= 1, got {max_rounds_per_line!r}"
+            )
         self.keep_recent = keep_recent
+        self.max_rounds_per_line = max_rounds_per_line
+        self._run: list[DecisionRecord] = []
+        """Uncommitted rounds not yet written (each joins the first)."""
         self._records: dict[tuple[str, str], LedgerRecord] = {}
         self._recent: deque[tuple[str, str]] = deque()
         self._listeners: list[Callable[[LedgerRecord], None]] = []
@@ -122,9 +148,11 @@ class Ledger:
                     continue
                 try:
                     record = _DECODER.decode(line)
-                except msgspec.DecodeError as err:
+                    records = record.rounds() if isinstance(record, RoundsRecord) else [record]
+                except (msgspec.DecodeError, ValueError) as err:
                     raise ValueError(f"{path}:{number}: bad ledger record: {err}") from None
-                ledger._remember(record)
+                for one in records:
+                    ledger._remember(one)
         return ledger
 
     def _remember(self, record: LedgerRecord) -> None:
@@ -145,10 +173,32 @@ class Ledger:
         """Record ``record`` (replacing an earlier one with the same id) and write it out."""
         self._remember(record)
         if self._file is not None:
-            self._file.write(_encode(record) + b"\n")
-            self._file.flush()
+            self._write(record)
         for listener in self._listeners:
             listener(record)
+
+    def _write(self, record: LedgerRecord) -> None:
+        """Write ``record`` out, or hold an uncommitted round back in the pending run."""
+        if isinstance(record, DecisionRecord):
+            if self._run and not joins_rounds(self._run[0], record):
+                self.flush()
+            if not record.committed:
+                self._run.append(record)
+                if len(self._run) >= self.max_rounds_per_line:
+                    self.flush()
+                return
+        self._line(record)
+
+    def _line(self, record: LedgerRecord | RoundsRecord) -> None:
+        assert self._file is not None
+        self._file.write(_encode(record) + b"\n")
+        self._file.flush()
+
+    def flush(self) -> None:
+        """Write the pending run of uncommitted rounds now (one line; nothing if none)."""
+        if self._run and self._file is not None:
+            self._line(fold_rounds(self._run))
+        self._run.clear()
 
     def fill_realised(
         self,
@@ -217,8 +267,9 @@ class Ledger:
         return len(self._records)
 
     def close(self) -> None:
-        """Close the sink (idempotent)."""
+        """Write the pending rounds and close the sink (idempotent)."""
         if self._file is not None:
+            self.flush()
             self._file.close()
             self._file = None
 

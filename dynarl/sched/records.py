@@ -10,14 +10,32 @@ ledger. Both are ``msgspec`` structs tagged like the bus records, so one JSON li
 - :class:`ObservationRecord`: what the scheduler saw of every component at a decision
   round (devices, utilization, queue, measured and predicted throughput), written next to
   the round's :class:`~dynarl.bus.DecisionRecord` under the same id: the raw material of
-  utilization plots and of predicted-versus-measured throughput.
+  utilization plots and of predicted-versus-measured throughput;
+- :class:`RoundsRecord`: a run of consecutive uncommitted decision rounds (a job that holds
+  for an hour holds every round) written as one line, losslessly: the rounds differ only
+  in their id, time, reason and predicted throughputs, which it keeps per round.
+  :func:`joins_rounds` says whether a round may join a run, :func:`fold_rounds` writes a run,
+  :meth:`RoundsRecord.rounds` gives the rounds back exactly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
-__all__ = ["ComponentObservation", "ObservationRecord", "SafeModeRecord"]
+from dynarl.bus.records import DecisionRecord
+
+__all__ = [
+    "ComponentObservation",
+    "ObservationRecord",
+    "RoundsRecord",
+    "SafeModeRecord",
+    "fold_rounds",
+    "joins_rounds",
+]
+
+_PACK = msgspec.msgpack.Encoder()
 
 
 class SafeModeRecord(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -65,3 +83,97 @@ class ObservationRecord(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Per component name; only components that have reported."""
     num_free: int = 0
     """Devices of the job's quota no component held."""
+
+
+class RoundsRecord(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Consecutive uncommitted decision rounds as one ledger line (see the module).
+
+    Round ``i`` is :attr:`first` with ``decision_ids[i]``, ``times[i]`` and, where the
+    column is not empty, ``reasons[i]``, ``throughput_old[i]`` and ``throughput_new[i]``.
+    """
+
+    first: DecisionRecord
+    """The run's first round, as it was recorded."""
+    decision_ids: tuple[str, ...]
+    """Every round's id, in order (the first's included)."""
+    times: tuple[float, ...]
+    """Every round's job-clock time, seconds."""
+    reasons: tuple[str, ...] = ()
+    """Every round's reason; empty when every round has the first's."""
+    throughput_old: tuple[float, ...] = ()
+    """Every round's ``predicted_throughput_old``; empty when every round has the first's."""
+    throughput_new: tuple[float, ...] = ()
+    """Every round's ``predicted_throughput_new``; empty when every round has the first's."""
+
+    def rounds(self) -> list[DecisionRecord]:
+        """The rounds, as they were recorded. Raises ValueError when a column's length
+        differs from the number of ids (a damaged line)."""
+        num = len(self.decision_ids)
+        columns = (self.times, self.reasons, self.throughput_old, self.throughput_new)
+        if any(len(c) not in (0, num) for c in columns) or len(self.times) != num:
+            raise ValueError(f"RoundsRecord columns differ in length from its {num} ids")
+        first = self.first
+        return [
+            msgspec.structs.replace(
+                first,
+                decision_id=self.decision_ids[i],
+                time=self.times[i],
+                reason=self.reasons[i] if self.reasons else first.reason,
+                predicted_throughput_old=(
+                    self.throughput_old[i]
+                    if self.throughput_old
+                    else first.predicted_throughput_old
+                ),
+                predicted_throughput_new=(
+                    self.throughput_new[i]
+                    if self.throughput_new
+                    else first.predicted_throughput_new
+                ),
+            )
+            for i in range(num)
+        ]
+
+
+def joins_rounds(first: DecisionRecord, record: DecisionRecord) -> bool:
+    """Whether ``record`` may join the run that ``first`` began: both uncommitted, and
+    equal but for the columns of a :class:`RoundsRecord`."""
+    if first.committed or record.committed:
+        return False
+    aligned = msgspec.structs.replace(
+        record,
+        decision_id=first.decision_id,
+        time=first.time,
+        reason=first.reason,
+        predicted_throughput_old=first.predicted_throughput_old,
+        predicted_throughput_new=first.predicted_throughput_new,
+    )
+    # Bytes, not ==: exact for -0.0 and NaN alike.
+    return _PACK.encode(aligned) == _PACK.encode(first)
+
+
+def fold_rounds(rounds: Sequence[DecisionRecord]) -> DecisionRecord | RoundsRecord:
+    """One line for ``rounds`` (each joins the first): a single round as itself, more as a
+    :class:`RoundsRecord` (a column left empty when it never differs from the first).
+    Raises ValueError for no rounds."""
+    if not rounds:
+        raise ValueError("fold needs at least one round")
+    first = rounds[0]
+    if len(rounds) == 1:
+        return first
+    reasons = tuple(r.reason for r in rounds)
+    old = tuple(r.predicted_throughput_old for r in rounds)
+    new = tuple(r.predicted_throughput_new for r in rounds)
+    return RoundsRecord(
+        first=first,
+        decision_ids=tuple(r.decision_id for r in rounds),
+        times=tuple(r.time for r in rounds),
+        reasons=() if all(r == first.reason for r in reasons) else reasons,
+        throughput_old=() if _constant(old) else old,
+        throughput_new=() if _constant(new) else new,
+    )
+
+
+def _constant(values: tuple[float, ...]) -> bool:
+    """Every value is the first, bit for bit."""
+    first = _PACK.encode(values[0])
+    return all(_PACK.encode(v) == first for v in values)

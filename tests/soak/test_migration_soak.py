@@ -6,7 +6,11 @@ five steps. After the warm-up the
 whole process tree (controller and workers) must grow by less than 1 MB/min, and file
 descriptors, sockets, processes and process groups must not grow while it runs (sampled
 on the starting allocation); once the job is closed they are all back at their baseline
-from before it started.
+from before it started. With DYNARL_SOAK_TRACE=DIR the Python allocations of the test
+process and the workers are traced (:mod:`soak_trace`) from the end of the warm-up on:
+snapshots half-way and at the end, compared by traceback in DIR/report.txt (with
+DYNARL_SOAK_TRACE_MODE=malloc: glibc's heap in use and free, per process). The log
+names each process's RSS growth.
 
     DYNARL_SOAK_S=120 .venv/bin/python -m pytest -m slow tests/soak/test_migration_soak.py \\
         -o log_cli=true --log-cli-level=WARNING
@@ -23,7 +27,14 @@ from pathlib import Path
 
 import fault_loop
 import pytest
-from soak_support import ResourceProbe, ResourceSample, leaks, memory_growth_per_min
+from soak_support import (
+    ResourceProbe,
+    ResourceSample,
+    growth_by_process,
+    leaks,
+    memory_growth_per_min,
+)
+from soak_trace import memory_trace
 from torch._C._distributed_c10d import TCPStore
 
 from dynarl.runtime import DurableConfig, DurableRun, ManifestConfig
@@ -44,6 +55,7 @@ def test_migrations_every_few_seconds_do_not_grow(tmp_path: Path) -> None:
     del store
     probe = ResourceProbe()
     baseline = probe.sample()
+    trace = memory_trace()
     samples: list[ResourceSample] = []
     moves: list[bool] = []
 
@@ -74,7 +86,12 @@ def test_migrations_every_few_seconds_do_not_grow(tmp_path: Path) -> None:
                     next_sample += every
                     if warm is None and time.monotonic() - began >= DURATION_S / 5:
                         warm = samples[-1]
+                    if trace is not None and len(samples) in (12, 30):
+                        trace.take(samples[-1].pids)  # start tracing, first snapshot
             assert warm is not None
+            if trace is not None:
+                trace.take(probe.sample().pids)
+                await asyncio.sleep(5.0)
             report = run.report()
             assert report.ok, report.violations[:5]
             if job.allocation != fault_loop.BASE:
@@ -90,6 +107,13 @@ def test_migrations_every_few_seconds_do_not_grow(tmp_path: Path) -> None:
         steps, len(moves), sum(moves), DURATION_S, growth, warm.num_fds, last.num_fds,
         warm.num_sockets, last.num_sockets,
     )  # fmt: skip
+    per_process = growth_by_process([*samples, last], warmup_s=DURATION_S / 5)
+    logging.getLogger(__name__).warning(
+        "RSS growth by process after warm-up (B/min; the first pid is this process): %s",
+        {pid: round(rate) for pid, rate in per_process.items()},
+    )
+    if trace is not None:
+        logging.getLogger(__name__).warning("allocations:\n%s", trace.report(samples))
     assert all(moves), "a migration failed"
     assert growth < 1024 * 1024, growth
     running = leaks(warm, last)

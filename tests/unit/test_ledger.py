@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from dynarl.bus import DecisionRecord, MigrationRecord
-from dynarl.sched import Ledger
+from dynarl.sched import Ledger, RoundsRecord
 
 
 def decision(i: int, *, committed: bool, time: float, donor: str | None = None) -> DecisionRecord:
@@ -116,3 +118,66 @@ def test_bounded_ledger_refuses_a_bad_bound(tmp_path: Path, keep: int) -> None:
         Ledger(tmp_path / "events.jsonl", keep_recent=keep)
     with pytest.raises(ValueError, match="needs a path"):
         Ledger(keep_recent=10)
+
+
+def _types(path: Path) -> list[str]:
+    return [json.loads(line)["type"] for line in path.read_text().splitlines()]
+
+
+def test_consecutive_holds_are_one_line_and_load_back_as_every_round(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    rounds = [decision(i, committed=False, time=float(i)) for i in range(1, 6)]
+    with Ledger(path) as ledger:
+        for record in rounds[:3]:
+            ledger.append(record)
+        ledger.append(decision(9, committed=True, time=3.5))
+        for record in rounds[3:]:
+            ledger.append(record)
+        # Memory sees every round at once; the pending run is not on disk yet.
+        assert len(ledger.query(kind="decision")) == 6
+        assert _types(path) == ["RoundsRecord", "DecisionRecord"]
+    assert _types(path) == ["RoundsRecord", "DecisionRecord", "RoundsRecord"]
+    loaded = Ledger.load(path).query(kind="decision")
+    assert loaded == sorted([*rounds, decision(9, committed=True, time=3.5)], key=lambda r: r.time)
+
+
+def test_a_run_is_written_every_max_rounds_and_a_lone_round_as_itself(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    with Ledger(path, max_rounds_per_line=2) as ledger:
+        for i in range(1, 6):
+            ledger.append(decision(i, committed=False, time=float(i)))
+        assert _types(path) == ["RoundsRecord", "RoundsRecord"]
+        ledger.flush()
+        assert _types(path) == ["RoundsRecord", "RoundsRecord", "DecisionRecord"]
+    assert len(Ledger.load(path)) == 5
+    with pytest.raises(ValueError, match="max_rounds_per_line must be >= 1"):
+        Ledger(path, max_rounds_per_line=0)
+
+
+def test_rounds_that_differ_in_more_than_their_columns_start_a_new_line(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    first = decision(1, committed=False, time=1.0)
+    moved = msgspec.structs.replace(
+        decision(2, committed=False, time=2.0), old_allocation={"rollout": 4, "trainer": 8}
+    )
+    renamed = msgspec.structs.replace(
+        moved, decision_id="d3", time=3.0, reason="hold: safe", predicted_throughput_new=2.0
+    )
+    with Ledger(path) as ledger:
+        for record in (first, moved, renamed):
+            ledger.append(record)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["type"] for line in lines] == ["DecisionRecord", "RoundsRecord"]
+    assert lines[1]["reasons"] == ["hold: no donor", "hold: safe"]
+    assert lines[1]["throughput_old"] == [] and lines[1]["throughput_new"] == [0.0, 2.0]
+    assert Ledger.load(path).query(kind="decision") == [first, moved, renamed]
+
+
+def test_a_damaged_run_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    run = RoundsRecord(
+        first=decision(1, committed=False, time=1.0), decision_ids=("d1", "d2"), times=(1.0,)
+    )
+    path.write_bytes(msgspec.json.encode(run) + b"\n")
+    with pytest.raises(ValueError, match=r"events.jsonl:1: bad ledger record"):
+        Ledger.load(path)

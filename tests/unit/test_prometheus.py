@@ -7,11 +7,13 @@ import asyncio
 import urllib.error
 import urllib.request
 
+import msgspec
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sched_support import PowerLawPredictor, report
 
-from dynarl.bus import MigrationRecord
+from dynarl.bus import DecisionRecord, MigrationRecord
 from dynarl.runtime import MetricsExporter
 from dynarl.sched import (
     DynamicResourceMetrics,
@@ -195,3 +197,28 @@ def test_the_endpoint_is_on_by_default_and_known_missing_without_the_extra(
         lambda name, *a: None if name == "prometheus_client" else real(name, *a),
     )
     assert not prometheus.metrics_available()
+
+
+def test_rounds_are_counted_once_with_memory_bounded_in_a_long_job() -> None:
+    s = scheduler()
+    exporter = MetricsExporter(s)
+    hold = DecisionRecord(
+        decision_id="", time=0.0, committed=False, reason="hold: no donor",
+        old_allocation={"rollout": 12, "trainer": 4}, new_allocation={"rollout": 12, "trainer": 4},
+    )  # fmt: skip
+    num = 5000
+    for i in range(num):
+        s.ledger.append(msgspec.structs.replace(hold, decision_id=f"h{i}", time=float(i)))
+    s.ledger.append(msgspec.structs.replace(hold, decision_id=f"h{num - 1}", time=float(num)))
+    moved = drive(s)
+    s.ledger.fill_realised(moved, realised_iteration_delta_s=-1.0, prediction_error=0.1)
+    rounds = {
+        dict(labels)["result"]: value
+        for (name, labels), value in samples(generate_latest(exporter.registry).decode()).items()
+        if name == "dynarl_decision_rounds_total"
+    }
+    # Every round once: the re-appended hold and the filled-in move are not counted again.
+    assert sum(rounds.values()) == len(s.ledger.query(kind="decision"))
+    assert rounds["committed"] == 1
+    # White box: a job with a round a second does not grow the exporter's memory.
+    assert len(exporter._rounds) <= 4096

@@ -27,8 +27,9 @@ token, reward and parameter — is the same under every :class:`Schedule`:
   barrier). Every trainer reshard the driver makes is checked: the state's checksum is
   the same before and after.
 
-Every move is a real migration through the runtime's coordinator and ledger. Runs on the
-caller's event loop.
+Every move is a real migration through the runtime's coordinator and ledger; where the
+devices go at each switch is decided and carried out by
+:mod:`~dynarl.backends.reference.placement`. Runs on the caller's event loop.
 """
 
 from __future__ import annotations
@@ -36,26 +37,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 
 from dynarl.backends.reference.episodes import Episodes, ToolCall
-from dynarl.backends.reference.plan import (
-    DriverProgress,
-    RunPlan,
-    Schedule,
-    StepReport,
-    grow_pays,
-)
+from dynarl.backends.reference.placement import DeviceMover
+from dynarl.backends.reference.plan import DriverProgress, RunPlan, Schedule, StepReport
 from dynarl.backends.reference.samples import meta_float
 from dynarl.backends.reference.setup import ReferenceSetup
 from dynarl.backends.reference.tools import ToolWorker
 from dynarl.bus.messages import MetaValue, Sample
-from dynarl.errors import BackendError, IntegrityError
+from dynarl.errors import BackendError
 from dynarl.runtime.job import Job
 from dynarl.runtime.wire import CallResult
-from dynarl.types import Allocation
 
 __all__ = ["GRPODriver"]
 
@@ -70,7 +64,8 @@ class GRPODriver:
 
     ``chunk_micros``: micro-batches one trainer rank learns per call (short calls let a
     move of the trainer start soon). ``observer`` is called on every change of progress.
-    ``resume_where_left``, ``move_cost_s``, ``always_grow`` (dynarl): see the attributes. Raises
+    ``resume_where_left`` (dynarl): see the attribute; ``move_cost_s``, ``always_grow``
+    (dynarl): see :class:`~dynarl.backends.reference.placement.DeviceMover`. Raises
     ValueError on a count below 1 or a negative cost.
     """
 
@@ -105,18 +100,23 @@ class GRPODriver:
         self._learned: set[int] = set()
         self._final = False
         self._turns = 0
-        self.reshards_verified = 0
-        """Trainer reshards whose state checksum was checked equal before and after."""
         self._left = False
         self._micro_s: float | None = None
         """Seconds one trainer rank took per micro-batch in its last learn call."""
-        self._move_s: list[float] = []
-        """Seconds of every trainer reshard (P2P grow or shrink) the driver made."""
-        self.move_cost_s = move_cost_s
-        """dynarl: what one reshard of the trainer is assumed to cost until the driver
-        has measured one (then the mean of its measured reshards counts)."""
-        self.always_grow = always_grow
-        """dynarl: grow the trainer onto every device at each barrier, whatever it costs."""
+        self._mover = DeviceMover(
+            job,
+            plan,
+            on_move=self._progress,
+            checksum=self._checksum,
+            move_cost_s=move_cost_s,
+            always_grow=always_grow,
+        )
+        """Carries out the phase switches (:mod:`~dynarl.backends.reference.placement`)."""
+
+    @property
+    def reshards_verified(self) -> int:
+        """Trainer reshards whose state checksum was checked equal before and after."""
+        return self._mover.reshards_verified
 
     # ------------------------------------------------------------------ phases
 
@@ -151,81 +151,9 @@ class GRPODriver:
             )
         )
 
-    async def _reach(self, target: Allocation) -> None:
-        """Move to ``target`` (retrying a command the scheduler's last move made stale).
-
-        A move that reshards the trainer (devices before and after) is checked: the
-        state's checksum after it must equal the one before (IntegrityError otherwise).
-        """
-        for _ in range(5):
-            if self.job.allocation == target:
-                return
-            before = self.job.allocation.devices("trainer")
-            reshard = bool(before) and bool(target.devices("trainer"))
-            reshard &= set(before) != set(target.devices("trainer"))
-            began = time.perf_counter()
-            checksum = await self._checksum() if reshard else ""
-            outcome = await self.job.reallocate(target)
-            self._progress()
-            if outcome.ok:
-                if reshard:
-                    after = await self._checksum()
-                    # What the reshard cost this run, its integrity check included.
-                    self._move_s.append(time.perf_counter() - began)
-                    if after != checksum:
-                        raise IntegrityError(
-                            f"trainer state changed across its reshard {list(before)} -> "
-                            f"{list(target.devices('trainer'))}: {checksum[:12]} != {after[:12]}"
-                        )
-                    self.reshards_verified += 1
-                return
-            if not outcome.reason.startswith("stale"):
-                raise BackendError(f"move to {target.as_dict()} failed: {outcome.reason}")
-        raise BackendError(f"could not reach {target.as_dict()}")
-
     async def _enter_rollout(self) -> None:
         self._progress("switch")
-        plan, now = self.plan, self.job.allocation
-        target = plan.rollout_phase()
-        if plan.schedule is Schedule.DYNARL and self.resume_where_left and self._left:
-            # Start the next rollout where the scheduler left the last one: if it had
-            # given the trainer its home device, the trainer keeps it (and learns each
-            # group as it completes); the scheduler may move it back when rollout needs it.
-            home = plan.home
-            rest = tuple(d for d in plan.devices if d not in home)
-            target = Allocation.of({"rollout": rest, "trainer": home})
-        if plan.schedule is Schedule.DYNARL and set(now.devices("trainer")) - set(plan.home):
-            # The trainer keeps its state on its home device only: shrink by P2P first.
-            rest = tuple(d for d in plan.devices if d not in plan.home)
-            await self._reach(Allocation.of({"rollout": rest, "trainer": plan.home}))
-        await self._reach(target)
-
-    async def _enter_learner(self, remaining: int) -> None:
-        """Give the trainer every device for the ``remaining`` micro-batches — unless
-        (dynarl) growing would cost more than it saves (:meth:`_worth_growing`)."""
-        plan, now = self.plan, self.job.allocation
-        if plan.schedule is Schedule.SPLIT:
-            return
-        if plan.schedule is Schedule.DYNARL:
-            if not now.devices("trainer"):
-                # Wake the trainer where its state sleeps (then maybe grow it by P2P).
-                rest = tuple(d for d in plan.devices if d not in plan.home)
-                await self._reach(Allocation.of({"rollout": rest, "trainer": plan.home}))
-            if not self._worth_growing(remaining, len(self.job.allocation.devices("trainer"))):
-                return
-        await self._reach(plan.learner_phase())
-
-    def _worth_growing(self, remaining: int, held: int) -> bool:
-        """:func:`grow_pays` with what this run measured (the learn time per micro-batch
-        of the last call, the mean of the driver's reshards, ``move_cost_s`` before one)."""
-        move = statistics.fmean(self._move_s) if self._move_s else self.move_cost_s
-        return grow_pays(
-            remaining=remaining,
-            held=held,
-            total=self.plan.num_devices,
-            micro_s=None if self.always_grow else self._micro_s,
-            move_s=move,
-        )
+        await self._mover.enter_rollout(resume=self.resume_where_left and self._left)
 
     async def _checksum(self) -> str:
         results = await self.job.call("trainer", "checksum")
@@ -267,7 +195,9 @@ class GRPODriver:
                 self.job.operator("observe_only", "learner phase")
             mark = time.perf_counter()
             self._progress("learn")
-            await self._enter_learner(episodes.num_groups - len(self._learned))
+            await self._mover.enter_learner(
+                episodes.num_groups - len(self._learned), micro_s=self._micro_s
+            )
             phases["barrier"] = time.perf_counter() - mark
             self._final = True
             changed.set()
