@@ -22,7 +22,8 @@ at :meth:`Ledger.close` — and :meth:`Ledger.load` expands it back into the ver
 (files written before it existed read as they always did). Memory and listeners see every
 round at once, as before. Runs on the controller, in the scheduler's loop; appends are
 small and flushed, not fsynced (the allocation journal is the runtime's durable record):
-a crash loses at most the pending run of uncommitted rounds.
+a crash loses at most the pending run of uncommitted rounds (``max_rounds_per_line``, 30 by
+default: half a minute of holds at one round a second).
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class Ledger:
         path: str | os.PathLike[str] | None = None,
         *,
         keep_recent: int | None = None,
-        max_rounds_per_line: int = 128,
+        max_rounds_per_line: int = 30,
     ) -> None:
         if keep_recent is not None and (keep_recent < 1 or path is None):
             raise ValueError(
