@@ -8,7 +8,8 @@ One process (the driver locally, rank 0 under torchrun) hosts, on one event loop
 - a **publisher** of reports, migration records and peer events;
 - one **group manager** per component, each with its own metrics endpoint;
 - the **scheduler** coroutine on the real monotonic clock, fed with the managers'
-  reports, ticks and move outcomes, writing every decision to the **ledger**;
+  reports, ticks and move outcomes (whatever is queued, as one batch), writing every
+  decision to the **ledger**;
 - the **coordinator**, the scheduler's command sink, with a
   :class:`~dynarl.runtime.cost.PlannerCost` injected into the scheduler;
 - when ``RuntimeConfig.metrics_port`` is set, the **Prometheus endpoint**
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -44,7 +45,7 @@ from dynarl.runtime.manager import GroupManager
 from dynarl.runtime.prometheus import MetricsExporter, metrics_available
 from dynarl.runtime.spec import ComponentSpec, RuntimeConfig
 from dynarl.runtime.wire import Done, Shutdown
-from dynarl.sched.events import MonotonicClock, SchedulerEvent, Tick
+from dynarl.sched.events import MonotonicClock, SchedulerEvent, Tick, queued_batches
 from dynarl.sched.ledger import Ledger
 from dynarl.sched.predictor import RegressionPredictor, ThroughputPredictor
 from dynarl.sched.scheduler import Scheduler
@@ -156,7 +157,7 @@ class Controller:
         self._tasks = [group.create_task(m.run(self._stop)) for m in self.managers.values()]
         self._tasks += [
             group.create_task(self.coordinator.run()),
-            group.create_task(self.scheduler.run(self._event_stream(), self.coordinator)),
+            group.create_task(self.scheduler.run(queued_batches(self._events), self.coordinator)),
             group.create_task(self._tick()),
         ]
         if self.config.metrics_port == 0 and not metrics_available():
@@ -302,10 +303,6 @@ class Controller:
             )
 
         return put
-
-    async def _event_stream(self) -> AsyncIterator[SchedulerEvent]:
-        while (event := await self._events.get()) is not None:
-            yield event
 
     async def _tick(self) -> None:
         interval = self.config.scheduler.decision_interval_s

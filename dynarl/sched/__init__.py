@@ -37,6 +37,7 @@ from dynarl.sched.events import (
     QuotaChange,
     SchedulerEvent,
     Tick,
+    queued_batches,
 )
 from dynarl.sched.extract import (
     ChannelUse,
@@ -245,6 +246,7 @@ __all__ = [
     "ledger_series",
     "place",
     "plot_ledger",
+    "queued_batches",
     "reason_category",
     "register_policy",
     "registered_policies",

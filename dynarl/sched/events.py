@@ -7,7 +7,9 @@ which the runtime (real time, ZeroMQ) and the simulator (virtual time) drive it.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -26,6 +28,7 @@ __all__ = [
     "QuotaChange",
     "SchedulerEvent",
     "Tick",
+    "queued_batches",
 ]
 
 
@@ -124,3 +127,23 @@ class Tick:
 
 
 SchedulerEvent = ComponentReport | MoveOutcome | QuotaChange | OperatorCommand | Tick
+
+
+async def queued_batches(
+    queue: asyncio.Queue[SchedulerEvent | None],
+) -> AsyncIterator[list[SchedulerEvent]]:
+    """Yield every event already queued as one batch, waiting only for the first of each.
+
+    Ends at a ``None`` in the queue (the events before it are yielded first), so the
+    scheduler runs one round on all the reports that piled up while it was busy. Runs on
+    the loop that owns ``queue``.
+    """
+    while (first := await queue.get()) is not None:
+        batch = [first]
+        while not queue.empty():
+            event = queue.get_nowait()
+            if event is None:
+                yield batch
+                return
+            batch.append(event)
+        yield batch

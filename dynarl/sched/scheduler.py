@@ -3,8 +3,9 @@
 Time comes only from the injected :class:`Clock`, inputs only from the event stream
 (component reports, move outcomes, quota changes, operator commands, ticks) and outputs
 only go to the injected :class:`CommandSink`, so the simulator drives the very same code
-in virtual time. :meth:`Scheduler.handle` is the synchronous step (it never waits);
-:meth:`Scheduler.run` feeds it from an async iterator. Every decision round, committed
+in virtual time. :meth:`Scheduler.handle_many` is the synchronous step (it never waits; a batch of
+events, then at most one round on the state after all of them); :meth:`Scheduler.run`
+feeds it from an async iterator of events or batches. Every decision round, committed
 or not, goes to the ledger with what the scheduler saw of each component at that round;
 so do safe-mode transitions and, once its iteration has ended, the realised effect of a
 committed move (see :mod:`dynarl.sched.effects`). Runs on the controller, in its event
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterable, Mapping, Sequence
+from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -32,7 +33,6 @@ from dynarl.sched.events import (
     OperatorCommand,
     QuotaChange,
     SchedulerEvent,
-    Tick,
 )
 from dynarl.sched.graph import Hypergraph, HyperNode
 from dynarl.sched.ledger import Ledger
@@ -125,13 +125,21 @@ class Scheduler:
         return self._counters.history[-1] if self._counters.history else None
 
     # ------------------------------------------------------------------- loop
-    async def run(self, events: AsyncIterable[SchedulerEvent], commands: CommandSink) -> None:
+    async def run(
+        self,
+        events: AsyncIterable[SchedulerEvent | Sequence[SchedulerEvent]],
+        commands: CommandSink,
+    ) -> None:
         """Handle ``events`` until the stream ends, submitting every command.
 
-        A submission that fails or exceeds ``submit_timeout_s`` counts as a failed move.
+        An item of the stream is one event or a batch of them (every event queued when the
+        loop got to the queue, see :func:`~dynarl.sched.events.queued_batches`), handled
+        by :meth:`handle_many`. A submission that fails or exceeds ``submit_timeout_s``
+        counts as a failed move.
         """
-        async for event in events:
-            for command in self.handle(event):
+        async for item in events:
+            batch = item if isinstance(item, Sequence) else (item,)
+            for command in self.handle_many(batch):
                 try:
                     async with asyncio.timeout(self.submit_timeout_s):
                         await commands.submit(command)
@@ -148,22 +156,34 @@ class Scheduler:
 
     def handle(self, event: SchedulerEvent) -> list[MigrationCommand]:
         """Take one event; returns the commands to carry out (never waits)."""
-        match event:
-            case ComponentReport():
-                self._observe(event)
-            case MoveOutcome():
-                self._outcome(event)
-            case QuotaChange():
-                return self._quota_change(event)
-            case OperatorCommand():
-                self._operator(event)
-                return []
-            case Tick():
-                pass
+        return self.handle_many((event,))
+
+    def handle_many(self, events: Iterable[SchedulerEvent]) -> list[MigrationCommand]:
+        """Take every event in order, then run at most one round, on the state after all
+        of them, if the decision interval has elapsed; returns the commands (never waits).
+
+        So a round never weighs one component's fresh report against another's one
+        interval old when both arrived together. A quota change acts at once (its own
+        round or forced shrink) and an operator command only sets the mode: a round is
+        due only after a report, a move outcome or a tick.
+        """
+        commands: list[MigrationCommand] = []
+        due = False
+        for event in events:
+            match event:
+                case ComponentReport():
+                    self._observe(event)
+                case MoveOutcome():
+                    self._outcome(event)
+                case QuotaChange():
+                    commands += self._quota_change(event)
+                case OperatorCommand():
+                    self._operator(event)
+            due |= not isinstance(event, QuotaChange | OperatorCommand)
         now = self.clock.now()
-        if now - self._counters.last_round < self.config.decision_interval_s:
-            return []
-        return self.round(now)
+        if not due or now - self._counters.last_round < self.config.decision_interval_s:
+            return commands
+        return commands + self.round(now)
 
     def _observe(self, report: ComponentReport) -> None:
         if report.component not in self.nodes:

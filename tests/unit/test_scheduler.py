@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 from sched_support import PowerLawPredictor, report
 
@@ -22,7 +23,9 @@ from dynarl.sched import (
     SchedulerConfig,
     StaticMigrationCost,
     Tick,
+    queued_batches,
 )
+from dynarl.sched.records import ObservationRecord
 from dynarl.types import Allocation, ComponentKind, MigrationKind
 
 NODES = {
@@ -88,6 +91,10 @@ def advance(s: Scheduler, clock: ManualClock, seconds: int, **kw: object) -> lis
 
 def decisions(ledger: Ledger) -> list[DecisionRecord]:
     return [r for r in ledger.query(kind="decision") if isinstance(r, DecisionRecord)]
+
+
+def observations(ledger: Ledger) -> list[ObservationRecord]:
+    return [r for r in ledger.query(kind="observation") if isinstance(r, ObservationRecord)]
 
 
 def finish(s: Scheduler, command: MigrationCommand, ok: bool = True) -> None:
@@ -297,3 +304,85 @@ def test_an_external_move_sets_the_allocation_and_restarts_the_interval() -> Non
     # No move within the minimum interval after the external one.
     assert advance(s, clock, 9) == []
     assert "minimum interval" in decisions(s.ledger)[-1].reason
+
+
+def fresh_pair(s: Scheduler, t: float) -> list[ComponentReport]:
+    """An instant's reports, the trainer's backlog different from any earlier one."""
+    rollout, trainer = interval(s, t)
+    return [rollout, msgspec.structs.replace(trainer, remaining=777, queue_depth=33)]
+
+
+def test_a_batch_runs_one_round_that_sees_every_report_of_it() -> None:
+    s, clock = make()
+    advance(s, clock, 1)
+    batch = fresh_pair(s, clock.advance(1.0))
+    assert s.handle_many(batch) == []
+    assert len(decisions(s.ledger)) == 2  # one round per batch
+    seen = observations(s.ledger)[-1].components
+    assert (seen["trainer"].remaining, seen["trainer"].queue_depth) == (777, 33)
+    assert seen["rollout"].remaining == 8
+
+
+def test_one_event_at_a_time_rounds_on_the_first_report_of_an_instant() -> None:
+    s, clock = make()
+    advance(s, clock, 1)
+    rollout, trainer = fresh_pair(s, clock.advance(1.0))
+    s.handle(rollout)
+    s.handle(trainer)  # within the decision interval: no second round
+    assert len(decisions(s.ledger)) == 2
+    seen = observations(s.ledger)[-1].components
+    assert (seen["trainer"].remaining, seen["trainer"].queue_depth) == (1000, 50)
+
+
+def test_a_batch_without_reports_runs_no_round() -> None:
+    s, clock = make()
+    clock.advance(5.0)
+    assert s.handle_many([OperatorCommand(action="observe_only")]) == []
+    assert decisions(s.ledger) == [] and s.observe_only
+    s.handle_many([])
+    assert decisions(s.ledger) == []
+
+
+def test_a_batch_with_a_move_outcome_rounds_after_it() -> None:
+    s, clock = make(min_move_interval_s=0.0)
+    (command,) = advance(s, clock, 4)
+    t = clock.advance(1.0)
+    done = MoveOutcome(decision_id=command.decision_id, ok=True, allocation=command.new_allocation)
+    # The reports first, the outcome last: the one round runs with no move in flight.
+    s.handle_many([*interval(s, t), done])
+    assert s.safety.in_flight != command.decision_id
+    assert not decisions(s.ledger)[-1].reason.startswith("hold: move")
+
+
+def test_queued_batches_drain_what_is_queued_and_stop_at_none() -> None:
+    async def main() -> list[list[object]]:
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        for item in (Tick(), OperatorCommand(action="act"), Tick()):
+            queue.put_nowait(item)
+        out: list[list[object]] = []
+        async for batch in queued_batches(queue):  # type: ignore[arg-type]
+            out.append(list(batch))
+            if len(out) == 1:
+                queue.put_nowait(Tick())
+                queue.put_nowait(None)
+                queue.put_nowait(Tick())  # after the end: never read
+        return out
+
+    first, second = asyncio.run(main())
+    assert first == [Tick(), OperatorCommand(action="act"), Tick()]
+    assert second == [Tick()]
+
+
+def test_run_takes_batches_and_single_events() -> None:
+    s, clock = make(min_move_interval_s=0.0)
+
+    async def stream() -> AsyncIterator[ComponentReport | list[ComponentReport]]:
+        for _ in range(3):
+            yield interval(s, clock.advance(1.0))
+        for r in interval(s, clock.advance(1.0)):
+            yield r
+
+    sink = Sink(0.0)
+    asyncio.run(s.run(stream(), sink))
+    # 3 batches (one round each) and one round on the last instant's first report.
+    assert len(decisions(s.ledger)) == 4 and len(sink.commands) == 1

@@ -10,7 +10,7 @@ import pytest
 from sim_support import shipped, small
 
 from dynarl.bus import ComponentReport, DecisionRecord, MigrationRecord
-from dynarl.sched import DeviceMove, FifoPolicy, PriorityPolicy, Resize
+from dynarl.sched import DeviceMove, FifoPolicy, MigrationCommand, PriorityPolicy, Resize
 from dynarl.sim import (
     DynarlPolicy,
     ModelledMigrationCost,
@@ -372,3 +372,44 @@ def test_dynarl_completes_every_iteration_when_its_scheduler_never_moves(
     unparked = idle - idle % workload.trainer.tp
     assert unparked >= max(workload.trainer.min_gpus, workload.trainer.tp)
     assert held == {0, unparked}
+
+
+class RoundSpy(Recorder):
+    """Records, for each round run while an instant's reports are handed over, the time of
+    the latest report the scheduler holds of each component, and the instant's time."""
+
+    def __init__(self, inner: DynarlPolicy) -> None:
+        super().__init__(inner)
+        self.instant: float | None = None
+        self.seen: list[tuple[float, dict[str, float]]] = []
+
+    def setup(self, sim: Simulation) -> None:
+        super().setup(sim)
+        assert isinstance(self.inner, DynarlPolicy)
+        scheduler = self.inner.scheduler
+        assert scheduler is not None
+        original = scheduler.round
+
+        def spied(now: float) -> list[MigrationCommand]:
+            if self.instant is not None:
+                latest = {n: s.latest.time for n, s in scheduler.windows.stats().items()}
+                self.seen.append((self.instant, latest))
+            return original(now)
+
+        scheduler.round = spied  # type: ignore[method-assign]
+
+    def on_reports(self, sim: Simulation, reports: Mapping[str, ComponentReport]) -> None:
+        self.instant = reports["rollout"].time
+        try:
+            super().on_reports(sim, reports)
+        finally:
+            self.instant = None
+
+
+def test_dynarl_rounds_on_every_report_of_an_instant() -> None:
+    spy = RoundSpy(DynarlPolicy())
+    workload = replace(small("agentic"), num_iterations=2)
+    Simulation(workload, request_policy=FifoPolicy).run(spy)
+    assert spy.seen
+    for instant, latest in spy.seen:
+        assert latest == dict.fromkeys(("rollout", "inference", "trainer"), instant)

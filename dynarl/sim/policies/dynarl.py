@@ -120,14 +120,14 @@ class DynarlPolicy:
             )
 
     def on_reports(self, sim: Simulation, reports: Mapping[str, ComponentReport]) -> None:
-        """Feed every component's report to the scheduler; run what it commits."""
+        """Feed the instant's reports to the scheduler as one batch (one round sees them
+        all); run what it commits."""
         assert self.scheduler is not None
         if self._restoring:
             return
         self._sync_workers(sim)
-        for name in COMPONENTS:
-            for command in self.scheduler.handle(reports[name]):
-                self._execute(sim, command)
+        for command in self.scheduler.handle_many(reports[name] for name in COMPONENTS):
+            self._execute(sim, command)
 
     def on_event(self, sim: Simulation, event: str, iteration: int, index: int = 0) -> None:
         """At an iteration's end, return to the iteration-start allocation (the barrier
