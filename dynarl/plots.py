@@ -92,17 +92,21 @@ def allocation_timeline(
     devices: Mapping[str, Sequence[float]],
     *,
     marks: Sequence[float] = (),
+    end: float | None = None,
     title: str = "",
     ylabel: str = "devices",
 ) -> Path:
-    """Stacked steps of ``devices[name][i]`` from ``times[i]`` on (the last step is
-    extended a little so it shows); dotted vertical lines at ``marks`` (iteration starts).
+    """Stacked steps of ``devices[name][i]`` from ``times[i]`` on, the last one until
+    ``end`` (when the run ended; without it, or when it is not after the last time, the
+    last step is extended a little so it shows); dotted vertical lines at ``marks``
+    (iteration starts).
     """
     for name, counts in devices.items():
         _check(name, times, counts)
     with _figure(path) as (_, (ax,)):
         if times:
-            xs = [*times, times[-1] + max(1.0, 0.02 * (times[-1] - times[0]))]
+            last = times[-1] + max(1.0, 0.02 * (times[-1] - times[0]))
+            xs = [*times, end if end is not None and end > times[-1] else last]
             names = list(devices)
             ax.stackplot(
                 xs,

@@ -32,6 +32,7 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str = "") -> P
         list(timeline.times),
         devices,
         marks=list(timeline.iteration_starts),
+        end=timeline.end,
         title=title,
         ylabel="GPUs",
     )

@@ -48,6 +48,8 @@ class Timeline:
     """Devices per component from each time on."""
     iteration_starts: list[float] = field(default_factory=list)
     """When each iteration began."""
+    end: float | None = None
+    """When the run ended (the last counts hold until then); None while it runs."""
 
     def record(self, time: float, counts: Mapping[str, int]) -> None:
         """Note the counts in force from ``time`` (merged with a change at the same time)."""

@@ -335,6 +335,7 @@ class Simulation:
     def stop(self) -> None:
         """End the run."""
         self.finished = True
+        self.timeline.end = self.loop.now
         self.loop.stop()
 
     # ---------------------------------------------------------------- reports

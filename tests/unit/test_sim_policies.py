@@ -74,6 +74,10 @@ def test_every_policy_trains_every_iteration_and_conserves_devices(name: str, ki
     assert [it.index for it in sim.iterations] == list(range(workload.num_iterations))
     assert all(it.samples == workload.batch.num_samples for it in sim.iterations)
     assert all(sum(row) == workload.cluster.num_gpus for row in sim.timeline.counts)
+    # The timeline ends when the run does (the plot's last step stops there), not later.
+    assert sim.timeline.end is not None and sim.timeline.end >= sim.timeline.times[-1]
+    if not make_policy(name).asynchronous:
+        assert sim.timeline.end == pytest.approx(sim.iterations[-1].end)
     held = [d for devs in sim.holders.values() for d in devs] + [*sim.free, *sim.transit]
     assert sorted(held) == list(range(workload.cluster.num_gpus))
     result = sim.result(name)
