@@ -3,7 +3,8 @@
 A real :class:`~dynarl.runtime.controller.Controller` (its TCPStore, bus server,
 publisher, managers and scheduler task; no workers). Reports go in through the callback
 the group managers are wired with; the scheduler reads the controller's queue through
-``queued_batches``. The decision interval is an hour of the controller's clock, so the
+``queued_batches``, and a spy on its ``handle_many`` keeps each batch it is handed. The
+decision interval is an hour of the controller's clock, so the
 scheduler's first round is the only one the test can see: were the reports handled one at
 a time, that round would hold only the first component's report.
 """
