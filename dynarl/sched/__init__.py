@@ -94,6 +94,10 @@ from dynarl.sched.predictor import (
     ThroughputPredictor,
     fit_power_law,
 )
+from dynarl.sched.quota import (
+    QuotaPlan,
+    plan_quota_change,
+)
 from dynarl.sched.records import (
     ComponentObservation,
     ObservationRecord,
@@ -209,6 +213,7 @@ __all__ = [
     "ProfilePoint",
     "QueuedRequest",
     "QuotaChange",
+    "QuotaPlan",
     "Realised",
     "RecordKind",
     "RegressionPredictor",
@@ -245,6 +250,7 @@ __all__ = [
     "hold",
     "ledger_series",
     "place",
+    "plan_quota_change",
     "plot_ledger",
     "queued_batches",
     "reason_category",

@@ -23,7 +23,7 @@ import msgspec
 
 from dynarl.bus.records import ComponentReport
 from dynarl.sched.config import SchedulerConfig
-from dynarl.sched.decision import Decision, DeviceMove, MigrationCost
+from dynarl.sched.decision import Decision, MigrationCost
 from dynarl.sched.effects import MoveEffects, observe
 from dynarl.sched.events import (
     Clock,
@@ -36,9 +36,9 @@ from dynarl.sched.events import (
 )
 from dynarl.sched.graph import Hypergraph, HyperNode
 from dynarl.sched.ledger import Ledger
-from dynarl.sched.placement import release_devices
 from dynarl.sched.planner import Safety, decide, hold
 from dynarl.sched.predictor import ThroughputPredictor
+from dynarl.sched.quota import plan_quota_change
 from dynarl.sched.records import SafeModeRecord
 from dynarl.sched.window import DonorSignal, WindowSet, detect_donors
 from dynarl.types import Allocation
@@ -329,41 +329,37 @@ class Scheduler:
         """Grants join the free pool and trigger a round; reclaims force a shrink.
 
         A reclaim is the cluster's order, so its command is emitted even in safe mode and
-        observe-only mode; a change outside the job's elastic bounds is refused.
+        observe-only mode; a change outside the job's elastic bounds is refused (see
+        :func:`~dynarl.sched.quota.plan_quota_change`).
         """
         now = self.clock.now()
-        granted = set(change.granted) - self._quota
-        reclaimed = set(change.reclaimed) & self._quota
-        size = len(self._quota) + len(granted) - len(reclaimed)
-        cfg = self.config
-        if size < cfg.min_quota_devices or (cfg.max_quota_devices and size > cfg.max_quota_devices):
-            reason = f"quota change to {size} devices refused: outside the job's elastic bounds"
-            logger.error("%s", reason)
-            return self._record(self._hold(reason, now), now)
-        self._quota |= granted
+        plan = plan_quota_change(
+            change,
+            quota=self._quota,
+            allocation=self.allocation,
+            nodes=self.nodes,
+            config=self.config,
+        )
+        if plan.refused:
+            logger.error("%s", plan.refused)
+            return self._record(self._hold(plan.refused, now), now)
+        self._quota = (self._quota | plan.granted) - plan.reclaimed
         self._free = None
-        moves, targets = self._reclaim_moves(reclaimed)
-        if moves is None:
-            reason = f"reclaim refused: {targets}"
-            logger.error("%s", reason)
-            self._quota -= granted
-            self._free = None
-            return self._record(self._hold(reason, now), now)
-        self._quota -= reclaimed
-        self._free = None
-        logger.info("quota: +%d -%d devices, now %d", len(granted), len(reclaimed), size)
-        if not moves:
+        logger.info(
+            "quota: +%d -%d devices, now %d",
+            len(plan.granted),
+            len(plan.reclaimed),
+            plan.num_devices,
+        )
+        if plan.new_allocation is None:
             return self.round(now)
         decision_id = self._next_id()
-        mapping = {name: set(devs) for name, devs in self.allocation.assignment}
-        for move in moves:
-            assert move.src is not None
-            mapping[move.src] -= set(move.devices)
-        new = Allocation.of(mapping)
-        record = self._hold(f"reclaim of {len(reclaimed)} devices by the cluster", now)
+        record = self._hold(f"reclaim of {len(plan.reclaimed)} devices by the cluster", now)
         self.ledger.append(
             msgspec.structs.replace(
-                record.to_record(decision_id), committed=True, new_allocation=new.counts()
+                record.to_record(decision_id),
+                committed=True,
+                new_allocation=plan.new_allocation.counts(),
             )
         )
         self.safety = self.safety.started(decision_id)
@@ -372,33 +368,11 @@ class Scheduler:
                 decision_id=decision_id,
                 time=now,
                 old_allocation=self.allocation,
-                new_allocation=new,
-                moves=moves,
+                new_allocation=plan.new_allocation,
+                moves=plan.moves,
                 forced=True,
             )
         ]
-
-    def _reclaim_moves(self, reclaimed: set[int]) -> tuple[tuple[DeviceMove, ...] | None, str]:
-        moves = []
-        nodes = self.nodes
-        for name, devices in self.allocation.assignment:
-            lost = reclaimed & set(devices)
-            if not lost:
-                continue
-            node = nodes[name]
-            keep = sorted(set(devices) - lost)
-            valid = [
-                s
-                for s in node.valid_sizes(0, len(keep), self.config.num_size_points)
-                if s <= len(keep)
-            ]
-            if not valid:
-                return None, f"{name} would fall below its minimum of {node.min_devices} devices"
-            extra = release_devices(
-                keep, len(keep) - max(valid), node.tp, self.config.num_devices_per_node
-            )
-            moves.append(DeviceMove(src=name, dst=None, devices=tuple(sorted(lost | set(extra)))))
-        return tuple(moves), ""
 
     def _hold(self, reason: str, now: float, donors: Sequence[DonorSignal] = ()) -> Decision:
         return hold(
