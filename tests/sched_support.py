@@ -1,4 +1,5 @@
-"""Fakes shared by the sched tests: a known-model predictor, report builders, recorders."""
+"""Fakes shared by the sched tests: a two-component graph, a known-model predictor, report
+builders, recorders."""
 
 from __future__ import annotations
 
@@ -9,10 +10,25 @@ import numpy as np
 import numpy.typing as npt
 
 from dynarl.bus import ComponentReport
-from dynarl.sched import ComponentStats, SchedulerConfig, WindowSet
+from dynarl.sched import ComponentStats, HyperNode, SchedulerConfig, WindowSet
 from dynarl.sched.predictor import effective_devices
+from dynarl.types import Allocation, ComponentKind, MigrationKind
 
 FloatArray = npt.NDArray[np.float64]
+
+ROLLOUT = HyperNode(name="rollout", kind=ComponentKind.ROLLOUT, min_devices=2)
+TRAINER = HyperNode(
+    name="trainer",
+    kind=ComponentKind.TRAINER,
+    migration=MigrationKind.P2P,
+    tp=2,
+    dp_sizes=(1, 2, 4, 8),
+    min_devices=2,
+)
+NODES = {"rollout": ROLLOUT, "trainer": TRAINER}
+"""A rollout (any size from 2) and a TP-2 trainer at DP 1, 2, 4 or 8 (from 2 devices)."""
+START = Allocation.of({"rollout": range(0, 12), "trainer": range(12, 16)})
+"""12 rollout devices, 4 trainer devices."""
 
 
 @dataclass

@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-from dynarl.sched import HyperNode, QuotaChange, QuotaPlan, SchedulerConfig, plan_quota_change
-from dynarl.types import Allocation, ComponentKind, MigrationKind
+from sched_support import NODES, START
 
-NODES = {
-    "rollout": HyperNode(name="rollout", kind=ComponentKind.ROLLOUT, min_devices=2),
-    "trainer": HyperNode(
-        name="trainer",
-        kind=ComponentKind.TRAINER,
-        migration=MigrationKind.P2P,
-        tp=2,
-        dp_sizes=(1, 2, 4, 8),
-        min_devices=2,
-    ),
-}
-START = Allocation.of({"rollout": range(0, 12), "trainer": range(12, 16)})
+from dynarl.sched import QuotaChange, QuotaPlan, SchedulerConfig, plan_quota_change
+
 CONFIG = SchedulerConfig(num_devices_per_node=4, min_quota_devices=4, max_quota_devices=24)
 
 

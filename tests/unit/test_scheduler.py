@@ -7,12 +7,11 @@ from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
-from sched_support import PowerLawPredictor, report
+from sched_support import NODES, START, PowerLawPredictor, report
 
 from dynarl.bus import ComponentReport, DecisionRecord, MigrationRecord
 from dynarl.sched import (
     Hypergraph,
-    HyperNode,
     Ledger,
     ManualClock,
     MigrationCommand,
@@ -26,20 +25,7 @@ from dynarl.sched import (
     queued_batches,
 )
 from dynarl.sched.records import ObservationRecord
-from dynarl.types import Allocation, ComponentKind, MigrationKind
-
-NODES = {
-    "rollout": HyperNode(name="rollout", kind=ComponentKind.ROLLOUT, min_devices=2),
-    "trainer": HyperNode(
-        name="trainer",
-        kind=ComponentKind.TRAINER,
-        migration=MigrationKind.P2P,
-        tp=2,
-        dp_sizes=(1, 2, 4, 8),
-        min_devices=2,
-    ),
-}
-START = Allocation.of({"rollout": range(0, 12), "trainer": range(12, 16)})
+from dynarl.types import Allocation, MigrationKind
 
 
 def make(**config: object) -> tuple[Scheduler, ManualClock]:

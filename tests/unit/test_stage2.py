@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
-from sched_support import PowerLawPredictor, report, stats_of
+from sched_support import NODES, ROLLOUT, TRAINER, PowerLawPredictor, report, stats_of
 
 from dynarl.sched import (
     CostEstimate,
@@ -21,16 +21,6 @@ from dynarl.sched import (
 )
 from dynarl.types import Allocation, ComponentKind, MigrationKind
 
-ROLLOUT = HyperNode(name="rollout", kind=ComponentKind.ROLLOUT, min_devices=2)
-TRAINER = HyperNode(
-    name="trainer",
-    kind=ComponentKind.TRAINER,
-    migration=MigrationKind.P2P,
-    tp=2,
-    dp_sizes=(1, 2, 4, 8),
-    min_devices=2,
-)
-NODES = {"rollout": ROLLOUT, "trainer": TRAINER}
 COST = StaticMigrationCost(seconds={MigrationKind.WORKLOAD: 1.0, MigrationKind.P2P: 2.0})
 
 
@@ -329,16 +319,7 @@ def test_a_donor_keeps_one_replica_while_its_inputs_are_still_coming(
     assert decision.chosen.size("trainer") == 14 - 8 - floor
 
 
-PARKABLE = HyperNode(
-    name="trainer",
-    kind=ComponentKind.TRAINER,
-    migration=MigrationKind.P2P,
-    tp=2,
-    dp_sizes=(1, 2, 4, 8),
-    min_devices=2,
-    parkable=True,
-    predecessors=("rollout",),
-)
+PARKABLE = replace(TRAINER, parkable=True, predecessors=("rollout",))
 
 
 @dataclass(frozen=True)
