@@ -100,15 +100,7 @@ def test_peak_memory_limits_the_trainer_growth() -> None:
     # device, growing to dp=2 (old 30 + new 30 = 60) fits, but only when the sharded part
     # keeps the new copy small enough. 100% replicated: old + new <= 80 always holds here,
     # so shrink the device to 50 GiB: 30 + 30 > 50 -> no trainer growth is feasible.
-    heavy = HyperNode(
-        name="trainer",
-        kind=ComponentKind.TRAINER,
-        migration=MigrationKind.P2P,
-        tp=2,
-        dp_sizes=(1, 2, 4, 8),
-        min_devices=2,
-        state_bytes=60 << 30,
-    )
+    heavy = replace(TRAINER, state_bytes=60 << 30)
     config = SchedulerConfig(num_devices_per_node=4, device_memory_bytes=50 << 30)
     decision = decide(
         nodes={"rollout": ROLLOUT, "trainer": heavy},
