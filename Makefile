@@ -12,12 +12,12 @@ LINT_PATHS := $(wildcard dynarl tests examples bench)
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first and pinned: the CPU build on this machine's disk (an unpinned torch
-	# would pull a multi-GB CUDA build).
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,megatron,sglang]'
+	# torch first, pinned by constraints.txt to the CPU build on this machine's disk (any
+	# other version would pull a multi-GB CUDA build); the rest under the same pin.
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt torch
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,plots,megatron,sglang]'
 	touch $(STAMP)
 
 demo: $(STAMP)

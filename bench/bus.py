@@ -70,7 +70,8 @@ async def serve_floor() -> None:
 
 
 async def serve_bus() -> None:
-    from dynarl.bus import Ack, BusServer, Interrupt, Peer
+    from dynarl.bus import BusServer, Interrupt, Peer
+    from dynarl.bus._messages import Ack
 
     async def spawned(message: Interrupt, peer: Peer) -> Ack:
         return Ack()  # a coroutine handler: the bus runs it as a task per request
@@ -122,7 +123,8 @@ async def floor_client(address: str, rtt_n: int, tput_n: int, inflight: int) -> 
 async def bus_client(
     address: str, rtt_n: int, tput_n: int, inflight: int, spawn: bool = False
 ) -> dict[str, float]:
-    from dynarl.bus import BusClient, Interrupt, Ping
+    from dynarl.bus import BusClient, Interrupt
+    from dynarl.bus._messages import Ping
 
     def message(seq: int) -> object:
         return Interrupt(component="bench") if spawn else Ping(seq=seq)
@@ -178,15 +180,8 @@ def per_op_us(work: Callable[[], object], iterations: int, repeats: int = 9) -> 
 
 
 def codec_figures() -> dict[str, float]:
-    from dynarl.bus import (
-        ControlMessage,
-        DataMessage,
-        MessageCodec,
-        Sample,
-        WorkerMetrics,
-        pack_tokens,
-        unpack_tokens,
-    )
+    from dynarl.bus import MessageCodec, Sample, WorkerMetrics, pack_tokens, unpack_tokens
+    from dynarl.bus._messages import ControlMessage, DataMessage
 
     control: MessageCodec[Any] = MessageCodec(ControlMessage, 1 << 24)
     data: MessageCodec[Any] = MessageCodec(DataMessage, 1 << 24)
@@ -273,7 +268,7 @@ def main() -> int:
             pass
         return 0
 
-    from dynarl.bus import loop_name
+    from dynarl.bus._loop import loop_name
 
     loop = loop_name()
     floor_proc, floor_address = start_server("floor", loop)

@@ -42,8 +42,9 @@ from typing import Any
 
 import torch
 
-from dynarl.backends.reference.engine import RolloutEngine
-from dynarl.backends.reference.experiment import (
+from dynarl.backends.reference._request import GenerationRequest as EngineRequest
+from dynarl.backends.reference._rollout_engine import RolloutEngine
+from dynarl.demo._experiment import (
     Comparison,
     ExperimentConfig,
     RunResult,
@@ -53,9 +54,9 @@ from dynarl.backends.reference.experiment import (
     profiles_from,
     run_plan,
 )
-from dynarl.backends.reference.request import GenerationRequest as EngineRequest
 from dynarl.sched import FifoPolicy
-from dynarl.sim import DynarlPolicy, Simulation, StaticSequential, workload_from_dict
+from dynarl.sim import DynarlPolicy, Simulation, workload_from_dict
+from dynarl.sim.policies._static import StaticSequential
 
 
 async def _all_runs(config: ExperimentConfig, setup: Any, root: Path) -> Comparison:

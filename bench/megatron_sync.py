@@ -39,7 +39,9 @@ import torch
 import torch.distributed as dist
 
 from dynarl.backends.megatron import GPTModelConfig, MegatronTrainConfig, describe, to_hf
-from dynarl.backends.sglang import ClientConfig, SGLangClient, WeightSyncConfig, free_port
+from dynarl.backends.sglang import SGLangClient, WeightSyncConfig
+from dynarl.backends.sglang._client import ClientConfig
+from dynarl.backends.sglang._server_launcher import free_port
 from dynarl.migrate import P2PMigration, build_group
 
 
@@ -89,7 +91,8 @@ def _max(value: float) -> float:
 
 def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     from dynarl.backends.megatron import MegatronTrainer, sync_weights
-    from dynarl.testing import FakeSGLangConfig, FakeSGLangServer
+    from dynarl.testing.sglang_fake._fake_config import FakeSGLangConfig
+    from dynarl.testing.sglang_fake._server import FakeSGLangServer
 
     torch.set_num_threads(1)
     if args.device == "cuda":

@@ -17,17 +17,17 @@ import time
 
 import torch
 
+from dynarl.backends._grpo import TrainSample
 from dynarl.backends.reference import (
     EngineConfig,
-    GenerationRequest,
     GPTConfig,
-    ParallelGPT,
     RolloutEngine,
     TrainConfig,
     Trainer,
-    TrainSample,
     solo_process_group,
 )
+from dynarl.backends.reference._gpt import ParallelGPT
+from dynarl.backends.reference._request import GenerationRequest
 
 MODEL = GPTConfig()  # vocab 64, hidden 64, 2 layers, 4 heads, MLP 256
 BATCHES = (1, 8, 32)

@@ -29,15 +29,14 @@ from dynarl.sched import (
     ComponentProfile,
     HyperNode,
     MetricsBuffer,
-    PredictorConfig,
     ProfilePoint,
     RegressionPredictor,
     SchedulerConfig,
     StaticMigrationCost,
-    WindowSet,
-    decide,
-    detect_donors,
 )
+from dynarl.sched._planner import decide
+from dynarl.sched._sched_config import PredictorConfig
+from dynarl.sched._window import WindowSet, detect_donors
 from dynarl.types import Allocation, ComponentKind, MigrationKind
 
 SCALES = (128, 1024, 10240, 102400)

@@ -27,14 +27,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from dynarl.sim import (
-    DynarlPolicy,
-    Simulation,
-    VectorRollout,
-    load_workload,
-    run_policy,
-)
-from dynarl.sim.workload import Workload
+from dynarl.sim import DynarlPolicy, Simulation, load_workload, run_policy
+from dynarl.sim._vector import VectorRollout
+from dynarl.sim._workload_file import Workload
 
 ROOT = Path(__file__).resolve().parent.parent / "examples" / "workloads"
 AGREEMENT = ("math-1.5b-128gpu", "math-7b-128gpu", "math-32b-128gpu")

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dynarl.bus.channel import Channel
-from dynarl.bus.component import WorkerGroup
+from dynarl.bus import Channel, WorkerGroup
 from dynarl.errors import (
     BackendError,
     BusError,
@@ -69,3 +68,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(runtime, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # ``dir(dynarl)`` lists the lazily imported runtime names too, without importing them.
+    return sorted(set(globals()) | _RUNTIME)

@@ -54,7 +54,7 @@ def _keys(args: argparse.Namespace) -> int:
 def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from dynarl import demo
 
-    parser = commands.add_parser("demo", help=demo.SUMMARY, description=demo.__doc__)
+    parser = commands.add_parser("demo", help=demo.SUMMARY, description=demo.DESCRIPTION)
     demo.add_arguments(parser)
     parser.set_defaults(handler=demo.main)
 

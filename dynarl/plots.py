@@ -2,9 +2,11 @@
 
 Every function takes sequences and mappings of floats — no dynarl type — and writes one
 PNG, returning its path, so any layer can use them: ``dynarl events --plot`` (through
-:func:`dynarl.sched.series.plot_ledger`), the simulator's timelines and the demo's curves.
+:func:`dynarl.sched._series.plot_ledger`), the simulator's timelines and the demo's curves.
 This module imports nothing from dynarl (it sits below every layer) and imports
 matplotlib only when a chart is drawn, selecting the Agg backend (no display needed).
+matplotlib and rich come with the ``plots`` extra; :func:`plots_extra` turns a missing one
+into an error that says so (``pip install 'dynarl[plots]'``).
 
 - :func:`allocation_timeline`: devices per component over time, stacked steps;
 - :func:`line_chart`: one line per named series (utilization per component, reward and
@@ -16,7 +18,9 @@ matplotlib only when a chart is drawn, selecting the Agg backend (no display nee
 - :func:`allocation_timelines`: one allocation timeline panel per run, on a shared time
   axis (the demo's dynarl-versus-static figure);
 - :func:`line_panels`: one panel per quantity, one line per run in each (reward and loss
-  per step of several runs).
+  per step of several runs);
+- :func:`plots_extra`: the block around an import of matplotlib or rich (the demo's live
+  view).
 
 Components get stable colours by name (:data:`COLORS`, then a fixed cycle). Raises
 ValueError when series lengths disagree.
@@ -38,6 +42,7 @@ __all__ = [
     "line_chart",
     "line_panels",
     "parity_chart",
+    "plots_extra",
     "predicted_vs_measured",
 ]
 
@@ -62,13 +67,31 @@ def color_of(name: str) -> str:
 
 
 @contextmanager
+def plots_extra(purpose: str) -> Iterator[None]:
+    """The block imports a package of the ``plots`` extra (matplotlib, rich).
+
+    Raises ModuleNotFoundError (chained to the original, same ``name``) saying that
+    ``purpose`` needs the missing package and how to install the extra.
+    """
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        package = exc.name.partition(".")[0] if exc.name else "matplotlib or rich"
+        raise ModuleNotFoundError(
+            f"{purpose} needs {package} (the 'plots' extra): pip install 'dynarl[plots]'",
+            name=exc.name,
+        ) from exc
+
+
+@contextmanager
 def _figure(
     path: str | Path, *, rows: int = 1, size: tuple[float, float] = (9.0, 3.6)
 ) -> Iterator[tuple[Any, Any]]:
-    import matplotlib
+    with plots_extra("drawing charts"):
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(rows, 1, figsize=(size[0], size[1] * rows), dpi=110, squeeze=False)
     try:

@@ -29,7 +29,7 @@ class ComponentKind(enum.StrEnum):
 
 
 class MigrationKind(enum.StrEnum):
-    """How a component's resources are moved (ARCHITECTURE §6)."""
+    """How a component's resources are moved (the executors live in :mod:`dynarl.migrate`)."""
 
     WORKLOAD = "workload"
     """Stop routing, abort in-flight work with partial outputs, re-dispatch it elsewhere."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from dynarl.backends.reference import GRPOConfig, SmokeConfig, TrainConfig, run_grpo
+from dynarl.backends.reference import GRPOConfig, TrainConfig
+from dynarl.demo import SmokeConfig, run_grpo
 
 
 def main() -> None:

@@ -19,21 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dynarl.bus import GenerationRequest, Sample, pack_tokens
-from dynarl.runtime import (
-    ComponentSpec,
-    DurableConfig,
-    DurableRun,
-    Fault,
-    Job,
-    JobConfig,
-    RuntimeConfig,
-    SampleSource,
-    SourceConfig,
-    StepCompleted,
-    Ticket,
-    read_journal,
-    step_digests,
-)
+from dynarl.runtime import ComponentSpec, Job, JobConfig, RuntimeConfig
+from dynarl.runtime._durable_run import DurableConfig, DurableRun
+from dynarl.runtime._faults import Fault
+from dynarl.runtime.durable._journal import read_journal
+from dynarl.runtime.durable._journal_records import StepCompleted
+from dynarl.runtime.durable._manifest import step_digests
+from dynarl.runtime.durable._source import SampleSource, SourceConfig, Ticket
 from dynarl.sched import SchedulerConfig
 from dynarl.testing import ScriptedRollout, TinyTrainer, scripted_token
 from dynarl.types import Allocation, MigrationKind
@@ -178,7 +170,7 @@ def main() -> None:
     with PHASE the controller SIGKILLs itself there (once per run directory)."""
     import sys
 
-    from dynarl.runtime import FaultAction
+    from dynarl.runtime._faults import FaultAction
 
     logging.basicConfig(level=logging.WARNING)
     run_dir, num_steps = Path(sys.argv[1]), int(sys.argv[2])

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dynarl.backends.cpu_compat import apply_cpu_shim
+from dynarl.backends._cpu_compat import apply_cpu_shim
 
 apply_cpu_shim()
 
@@ -52,7 +52,7 @@ MEGATRON_OPTIMIZER = [True]
 
 def _megatron_optimizer_on_cpu() -> None:
     """Make the trainer build Megatron's optimizer where it would build its CPU AdamW."""
-    import dynarl.backends.megatron.trainer as trainer
+    import dynarl.backends.megatron._megatron_trainer as trainer
     from dynarl.migrate import trainer_layout
 
     build = trainer.build_instance
@@ -68,9 +68,9 @@ def _megatron_optimizer_on_cpu() -> None:
 def main(dtype: str) -> dict[str, Any]:
     _fake_cuda()
     _megatron_optimizer_on_cpu()
+    from dynarl.backends._grpo import TrainSample
     from dynarl.backends.megatron import GPTModelConfig, MegatronTrainConfig, MegatronTrainer
     from dynarl.backends.reference import solo_process_group
-    from dynarl.backends.reference.grpo import TrainSample
     from dynarl.migrate import P2PMigration
 
     def batch(seed: int) -> list[TrainSample]:
@@ -137,8 +137,8 @@ def tp2_worker(rank: int, world: int, port: int) -> dict[str, Any]:
 
     _fake_cuda()
     _megatron_optimizer_on_cpu()
+    from dynarl.backends._grpo import TrainSample
     from dynarl.backends.megatron import GPTModelConfig, MegatronTrainConfig, MegatronTrainer
-    from dynarl.backends.reference.grpo import TrainSample
 
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=dist.PrefixStore("w", store), rank=rank, world_size=world)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dynarl.backends.reference.experiment import ExperimentConfig
+from dynarl.demo._experiment import ExperimentConfig
 
 SMALL_JOB = ExperimentConfig(
     num_devices=2,

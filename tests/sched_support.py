@@ -10,8 +10,9 @@ import numpy as np
 import numpy.typing as npt
 
 from dynarl.bus import ComponentReport
-from dynarl.sched import ComponentStats, HyperNode, SchedulerConfig, WindowSet
-from dynarl.sched.predictor import effective_devices
+from dynarl.sched import HyperNode, SchedulerConfig
+from dynarl.sched._predictor import effective_devices
+from dynarl.sched._window import ComponentStats, WindowSet
 from dynarl.types import Allocation, ComponentKind, MigrationKind
 
 FloatArray = npt.NDArray[np.float64]

@@ -38,18 +38,11 @@ from dynarl.bus import (
     unpack_tokens,
 )
 from dynarl.errors import WorkerError
-from dynarl.runtime import (
-    CheckpointRef,
-    CheckpointStore,
-    Journal,
-    Manifest,
-    SampleSource,
-    SourceConfig,
-    Ticket,
-    capture_rng,
-    restore_rng,
-    step_digests,
-)
+from dynarl.runtime import CheckpointStore, Journal
+from dynarl.runtime.durable._checkpoint import CheckpointRef
+from dynarl.runtime.durable._manifest import Manifest, step_digests
+from dynarl.runtime.durable._rng import capture_rng, restore_rng
+from dynarl.runtime.durable._source import SampleSource, SourceConfig, Ticket
 from dynarl.runtime.launch import ControllerContext, WorkerContext
 from dynarl.types import Allocation
 

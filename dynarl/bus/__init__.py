@@ -13,118 +13,66 @@
 
 from __future__ import annotations
 
-from dynarl.bus.channel import Channel, ChannelBackend, ChannelTable
-from dynarl.bus.client import BusClient
-from dynarl.bus.codec import FrameCodec, Kind, MessageCodec
-from dynarl.bus.component import GroupSpec, WorkerGroup
-from dynarl.bus.config import BusConfig
-from dynarl.bus.curve import (
+from dynarl.bus._bus_config import BusConfig
+from dynarl.bus._channel import Channel, ChannelBackend
+from dynarl.bus._client import BusClient
+from dynarl.bus._codec import MessageCodec
+from dynarl.bus._component import WorkerGroup
+from dynarl.bus._curve import (
     CurveClient,
     CurveServer,
     generate_keys,
     load_public_key,
     load_secret_key,
 )
-from dynarl.bus.endpoint import Handler
-from dynarl.bus.loop import SyncBridge, loop_name, new_event_loop, run
-from dynarl.bus.messages import (
-    Ack,
-    ChannelGet,
-    ChannelItem,
-    ChannelPut,
-    ControlMessage,
-    DataItem,
-    DataMessage,
+from dynarl.bus._loop import run
+from dynarl.bus._messages import (
     Envelope,
-    ErrorReply,
-    EventMessage,
     GenerationRequest,
-    Heartbeat,
     Interrupt,
-    Message,
     MetaValue,
-    MigrationAbort,
-    MigrationCommit,
-    MigrationPrepare,
-    MigrationTransfer,
     PeerEvent,
-    Ping,
-    Pong,
-    Register,
     Sample,
-    Unregister,
-    Welcome,
     pack_tokens,
     unpack_tokens,
 )
-from dynarl.bus.peers import Peer
-from dynarl.bus.pubsub import Publisher, Subscriber
-from dynarl.bus.records import (
+from dynarl.bus._peers import Peer
+from dynarl.bus._pubsub import Publisher
+from dynarl.bus._report_records import (
     ComponentReport,
     DecisionRecord,
     MigrationRecord,
     RejectedCandidate,
     WorkerMetrics,
 )
-from dynarl.bus.server import BusServer
-from dynarl.bus.stats import BusStats
+from dynarl.bus._server import BusServer
 
 __all__ = [
-    "Ack",
     "BusClient",
     "BusConfig",
     "BusServer",
-    "BusStats",
     "Channel",
     "ChannelBackend",
-    "ChannelGet",
-    "ChannelItem",
-    "ChannelPut",
-    "ChannelTable",
     "ComponentReport",
-    "ControlMessage",
     "CurveClient",
     "CurveServer",
-    "DataItem",
-    "DataMessage",
     "DecisionRecord",
     "Envelope",
-    "ErrorReply",
-    "EventMessage",
-    "FrameCodec",
     "GenerationRequest",
-    "GroupSpec",
-    "Handler",
-    "Heartbeat",
     "Interrupt",
-    "Kind",
-    "Message",
     "MessageCodec",
     "MetaValue",
-    "MigrationAbort",
-    "MigrationCommit",
-    "MigrationPrepare",
     "MigrationRecord",
-    "MigrationTransfer",
     "Peer",
     "PeerEvent",
-    "Ping",
-    "Pong",
     "Publisher",
-    "Register",
     "RejectedCandidate",
     "Sample",
-    "Subscriber",
-    "SyncBridge",
-    "Unregister",
-    "Welcome",
     "WorkerGroup",
     "WorkerMetrics",
     "generate_keys",
     "load_public_key",
     "load_secret_key",
-    "loop_name",
-    "new_event_loop",
     "pack_tokens",
     "run",
     "unpack_tokens",

@@ -40,19 +40,19 @@ from dynarl.sim import (
     AgenticSpec,
     BatchSpec,
     ClusterSpec,
+    EventLoop,
     LengthSpec,
     MigrationSpec,
     ModelSpec,
+    Rollout,
     RolloutSpec,
     StageSpec,
     VerlSpec,
     Workload,
+    build_trace,
     dump_workload,
     run_policy,
 )
-from dynarl.sim.events import EventLoop
-from dynarl.sim.rollout import Rollout
-from dynarl.sim.trace import build_trace
 
 HERE = Path(__file__).resolve().parent
 

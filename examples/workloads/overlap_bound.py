@@ -30,9 +30,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynarl.sim import load_workload, rollout_alone, run_policy, start_partition
-from dynarl.sim.trace import build_trace
-from dynarl.sim.workload import Workload
+from dynarl.sim import (
+    Workload,
+    build_trace,
+    load_workload,
+    rollout_alone,
+    run_policy,
+    start_partition,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

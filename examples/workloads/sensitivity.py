@@ -31,8 +31,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from dynarl.sched import FifoPolicy
-from dynarl.sim import DynarlPolicy, Workload, load_workload, make_policy
-from dynarl.sim.simulator import Simulation
+from dynarl.sim import DynarlPolicy, Simulation, Workload, load_workload
+from dynarl.sim.policies import make_policy
 
 GIB = 1 << 30
 

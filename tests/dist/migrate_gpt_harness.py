@@ -17,9 +17,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dynarl.backends.cpu_compat import apply_cpu_shim
+from dynarl.backends._cpu_compat import apply_cpu_shim
 from dynarl.migrate import Layout, LayoutGroups, LayoutSpec, ParamSpec, Shard, trainer_layout
-from dynarl.migrate.megatron_layout import (
+from dynarl.migrate._megatron_layout import (
     install_parallel_state,
     merge_stage_specs,
     param_specs,

@@ -36,7 +36,9 @@ import fault_loop
 import psutil
 import pytest
 
-from dynarl.runtime import DurableRun, Fault, FaultAction, Job
+from dynarl.runtime._durable_run import DurableRun
+from dynarl.runtime._faults import Fault, FaultAction
+from dynarl.runtime import Job
 from dynarl.types import Allocation, MigrationKind
 
 pytestmark = pytest.mark.dist

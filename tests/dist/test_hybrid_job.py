@@ -23,10 +23,11 @@ from pathlib import Path
 import pytest
 from reference_support import SMALL_JOB, shared_cache
 
-from dynarl.backends.reference import AsyncConfig, AsyncRunResult, compare_curves, group_means
-from dynarl.backends.reference.experiment import prepare_setup
-from dynarl.backends.reference.hybrid_job import run_async
-from dynarl.runtime.wire import decode_versions
+from dynarl.demo._async_records import AsyncConfig, AsyncRunResult
+from dynarl.demo._tolerance import compare_curves, group_means
+from dynarl.demo._experiment import prepare_setup
+from dynarl.demo._hybrid_job import run_async
+from dynarl.runtime._worker_protocol import decode_versions
 
 pytestmark = pytest.mark.dist
 

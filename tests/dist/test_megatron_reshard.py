@@ -59,7 +59,7 @@ def ddp_range_check(rank: int, trainer: Any, spec: Any) -> list[str]:
     import warnings
 
     from dynarl.migrate import BufferParam, dp_buffer, dp_param_ranges, trainer_layout
-    from dynarl.migrate.megatron_layout import param_names, param_specs, process_group_collection
+    from dynarl.migrate._megatron_layout import param_names, param_specs, process_group_collection
     from migrate_gpt_harness import build_model
 
     with warnings.catch_warnings():
@@ -108,7 +108,7 @@ def worker(rank: int, world: int, port: int, ckpt_dir: str, scenario: str) -> di
     from megatron.core import tensor_parallel
 
     from dynarl.migrate import P2PMigration, trainer_layout
-    from dynarl.migrate.megatron_layout import sharded_state_dict_mismatches
+    from dynarl.migrate._megatron_layout import sharded_state_dict_mismatches
 
     torch.set_num_threads(1)  # four processes share the cores
     plan = SCENARIOS[scenario]

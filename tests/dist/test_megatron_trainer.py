@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 
 from dynarl.backends.megatron import GPTModelConfig, describe, to_hf, write_hf_tensors
-from dynarl.backends.megatron.checkpoint import hf_config, read_hf_tensors
-from dynarl.backends.sglang import free_port
-from dynarl.testing import FakeSGLangConfig, FakeSGLangServer
+from dynarl.backends.megatron._hf_checkpoint import hf_config, read_hf_tensors
+from dynarl.backends.sglang._server_launcher import free_port
+from dynarl.testing.sglang_fake._fake_config import FakeSGLangConfig
+from dynarl.testing.sglang_fake._server import FakeSGLangServer
 
 pytestmark = pytest.mark.dist
 
@@ -53,7 +54,7 @@ MOVES = [("dp2", {"dp": 2}), ("pp2", {"pp": 2})]
 
 def batch(step: int, size: int = 6) -> list[Any]:
     """A deterministic GRPO batch of ``size`` sequences of 9..13 tokens."""
-    from dynarl.backends.reference.grpo import TrainSample
+    from dynarl.backends._grpo import TrainSample
 
     gen = torch.Generator().manual_seed(100 + step)
     out = []
@@ -100,7 +101,8 @@ def worker(rank: int, world: int, port: int, url: str, hf_dir: str, tmp: str) ->
         model_config_from_hf,
         sync_weights,
     )
-    from dynarl.backends.sglang import ClientConfig, SGLangClient, WeightSyncConfig
+    from dynarl.backends.sglang._client import ClientConfig
+    from dynarl.backends.sglang import SGLangClient, WeightSyncConfig
     from dynarl.errors import BackendError
     from dynarl.migrate import P2PMigration
 

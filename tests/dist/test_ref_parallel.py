@@ -51,14 +51,9 @@ def _worker(rank: int, store_path: str, out_path: str) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from dynarl.backends.reference import (
-        GPTConfig,
-        GRPOConfig,
-        TrainConfig,
-        Trainer,
-        TrainSample,
-        state_checksum,
-    )
+    from dynarl.backends.reference import GPTConfig, GRPOConfig, TrainConfig, Trainer
+    from dynarl.backends._grpo import TrainSample
+    from dynarl.backends.reference._trainer import state_checksum
 
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)

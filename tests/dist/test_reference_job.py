@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from reference_support import SMALL_JOB, eager
 
-from dynarl.backends.reference import RunPlan, Schedule
-from dynarl.backends.reference.experiment import (
+from dynarl.demo._device_schedules import RunPlan, Schedule
+from dynarl.demo._experiment import (
     RunResult,
     compare,
     prepare_setup,

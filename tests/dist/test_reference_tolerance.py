@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from reference_support import SMALL_JOB, eager, shared_cache
 
-from dynarl.backends.reference import RunPlan, Schedule, compare_curves, group_means
-from dynarl.backends.reference.experiment import RunResult, prepare_setup, run_plan
+from dynarl.demo._device_schedules import RunPlan, Schedule
+from dynarl.demo._tolerance import compare_curves, group_means
+from dynarl.demo._experiment import RunResult, prepare_setup, run_plan
 
 pytestmark = pytest.mark.dist
 

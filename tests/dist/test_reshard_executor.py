@@ -27,8 +27,8 @@ from dynarl.migrate import (
     plan_reshard,
     trainer_layout,
 )
-from dynarl.migrate.executor import ExecutorConfig, PlanExecutor, checksum, execute_plan
-from dynarl.migrate.groups import CommGroup, build_group
+from dynarl.migrate._executor import ExecutorConfig, PlanExecutor, checksum, execute_plan
+from dynarl.migrate._groups import CommGroup, build_group
 
 pytestmark = pytest.mark.dist
 WORLD = 4

@@ -26,8 +26,9 @@ from dynarl.bus import (
     pack_tokens,
     unpack_tokens,
 )
-from dynarl.runtime import ComponentSpec, Fault, FaultAction, Job, JobConfig, RuntimeConfig
-from dynarl.runtime.wire import RESUMED
+from dynarl.runtime import ComponentSpec, RuntimeConfig, Job, JobConfig
+from dynarl.runtime._faults import Fault, FaultAction
+from dynarl.runtime._worker_protocol import RESUMED
 from dynarl.sched import ComponentProfile, ProfilePoint, SchedulerConfig
 from dynarl.testing import ScriptedRollout, ShadowTrainer, TinyTrainer, scripted_token
 from dynarl.types import MigrationKind

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dynarl.runtime import LocalLauncher, WorkerOptions
+from dynarl.runtime.launch._local import LocalLauncher
+from dynarl.runtime.worker._options import WorkerOptions
 
 pytestmark = pytest.mark.dist
 

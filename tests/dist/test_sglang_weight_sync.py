@@ -18,24 +18,10 @@ import pytest
 import torch
 from torch.distributed import distributed_c10d
 
-from dynarl.backends.sglang import (
-    GPTLayout,
-    SGLangClient,
-    SGLangServer,
-    SGLangServerConfig,
-    WeightSyncConfig,
-    broadcast_bucket,
-    checksum_mismatches,
-    close_update_group,
-    expected_checksums,
-    flatten_bucket,
-    free_port,
-    megatron_to_hf,
-    open_update_group,
-    plan_weight_sync,
-    push_weights,
-    receive_bucket,
-)
+from dynarl.backends.sglang import GPTLayout, megatron_to_hf, SGLangClient, WeightSyncConfig, close_update_group, open_update_group, plan_weight_sync, push_weights, receive_bucket, checksum_mismatches, expected_checksums
+from dynarl.backends.sglang._server_launcher import SGLangServer, SGLangServerConfig, free_port
+from dynarl.backends.sglang._weight_sync import broadcast_bucket
+from dynarl.backends.sglang._buckets import flatten_bucket
 from dynarl.errors import BackendError
 
 pytestmark = pytest.mark.dist
@@ -114,7 +100,7 @@ def _fake_config(tmp_path: pathlib.Path, name: str, weights: dict[str, torch.Ten
     torch.save(weights, path)
     return SGLangServerConfig(
         model_path=name,
-        module="dynarl.backends.sglang_fake",
+        module="dynarl.testing.sglang_fake",
         tp_size=tp,
         extra_args=("--fake-weights", str(path)),
         health_poll_s=0.05,

@@ -21,7 +21,8 @@ import pytest
 import standin_job
 
 from dynarl.bus import generate_keys
-from dynarl.runtime import Restored, read_journal, recover
+from dynarl.runtime.durable._journal_records import Restored
+from dynarl.runtime.durable._journal import read_journal, recover
 
 pytestmark = pytest.mark.dist
 

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from dynarl.backends.cpu_compat import cpu_shim_applied
+from dynarl.backends._cpu_compat import cpu_shim_applied
+from dynarl.backends._grpo import TrainSample
 from dynarl.backends.megatron import (
     GPTModelConfig,
     MegatronTrainConfig,
@@ -32,7 +33,6 @@ from dynarl.backends.megatron import (
     to_hf,
 )
 from dynarl.backends.reference import solo_process_group
-from dynarl.backends.reference.grpo import TrainSample
 from dynarl.migrate import P2PConfig, P2PMigration, build_group
 
 pytestmark = [
@@ -70,7 +70,7 @@ def solo() -> Iterator[Any]:
 
 
 def test_cpu_shim_is_not_applied_where_cuda_exists() -> None:
-    from dynarl.backends.megatron.model import import_megatron
+    from dynarl.backends.megatron._gpt_model import import_megatron
 
     import_megatron()
     assert not cpu_shim_applied()
@@ -152,13 +152,8 @@ def test_cuda_state_reshards_between_optimizer_layouts_bitwise(solo: Any) -> Non
 def test_weight_sync_from_a_cuda_trainer_lands_bit_for_bit(
     solo: Any, tmp_path: pathlib.Path
 ) -> None:
-    from dynarl.backends.sglang import (
-        SGLangClient,
-        SGLangServer,
-        SGLangServerConfig,
-        WeightSyncConfig,
-        free_port,
-    )
+    from dynarl.backends.sglang import SGLangClient, WeightSyncConfig
+    from dynarl.backends.sglang._server_launcher import SGLangServer, SGLangServerConfig, free_port
 
     config = model("bfloat16")
     meta = {s.name: torch.empty(s.shape, device="meta") for s in describe(config)}
@@ -168,7 +163,7 @@ def test_weight_sync_from_a_cuda_trainer_lands_bit_for_bit(
         path,
     )
     server_config = SGLangServerConfig(
-        model_path="fake", module="dynarl.backends.sglang_fake",
+        model_path="fake", module="dynarl.testing.sglang_fake",
         extra_args=("--fake-weights", str(path)), health_poll_s=0.05, startup_timeout_s=120,
     )  # fmt: skip
     trainer = MegatronTrainer(config, CUDA, rank=0, store=solo)

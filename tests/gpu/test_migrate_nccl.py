@@ -14,8 +14,8 @@ import torch.distributed as dist
 from migrate_ranks import run_ranks
 
 from dynarl.migrate import LayoutSpec, ParamSpec, Stage, plan_reshard, trainer_layout
-from dynarl.migrate.executor import ExecutorConfig, checksum, execute_plan
-from dynarl.migrate.groups import build_group
+from dynarl.migrate._executor import ExecutorConfig, checksum, execute_plan
+from dynarl.migrate._groups import build_group
 
 pytestmark = pytest.mark.gpu
 

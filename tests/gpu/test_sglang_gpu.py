@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from dynarl.backends.sglang import cuda_tensor_hash
+from dynarl.backends.sglang._weight_check import cuda_tensor_hash
 
 pytestmark = pytest.mark.gpu
 

@@ -18,21 +18,9 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynarl.bus import (
-    Ack,
-    BusClient,
-    BusConfig,
-    BusServer,
-    EventMessage,
-    Heartbeat,
-    Message,
-    PeerEvent,
-    Publisher,
-    Register,
-    Subscriber,
-    Unregister,
-    run,
-)
+from dynarl.bus import BusClient, BusConfig, BusServer, PeerEvent, Publisher, run
+from dynarl.bus._messages import Ack, EventMessage, Heartbeat, Message, Register, Unregister
+from dynarl.bus._pubsub import Subscriber
 from dynarl.errors import DeadlineExceeded
 from dynarl.testing import message_strategy
 

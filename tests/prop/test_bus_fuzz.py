@@ -19,8 +19,9 @@ import msgpack
 import pytest
 import zmq
 
-from dynarl.bus import BusClient, BusConfig, BusServer, Ping, Pong, SyncBridge
-from dynarl.bus.messages import PROTOCOL_VERSION
+from dynarl.bus import BusClient, BusConfig, BusServer
+from dynarl.bus._loop import SyncBridge
+from dynarl.bus._messages import PROTOCOL_VERSION, Ping, Pong
 
 LIMIT = 4096
 CONFIG = BusConfig(max_message_bytes=LIMIT, heartbeat_interval_s=0.5, log_interval_s=10.0)

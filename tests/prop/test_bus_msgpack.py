@@ -14,8 +14,9 @@ import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynarl.bus import EventMessage, FrameCodec, Message, MessageCodec
-from dynarl.bus.codec import Frame
+from dynarl.bus import MessageCodec
+from dynarl.bus._codec import Frame, FrameCodec
+from dynarl.bus._messages import EventMessage, Message
 from dynarl.testing import message_strategy
 
 ANY_MESSAGE = message_strategy(Message | EventMessage)

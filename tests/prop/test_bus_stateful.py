@@ -20,7 +20,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from dynarl.bus import Ack, BusClient, BusConfig, BusServer, Interrupt, Peer, new_event_loop
+from dynarl.bus import BusClient, BusConfig, BusServer, Interrupt, Peer
+from dynarl.bus._loop import new_event_loop
+from dynarl.bus._messages import Ack
 from dynarl.errors import DeadlineExceeded
 
 SHORT_S = 0.05

@@ -22,9 +22,9 @@ from hypothesis.stateful import (
 )
 
 from dynarl.errors import IntegrityError
-from dynarl.migrate.protocol import KIND_STEPS
-from dynarl.runtime.journal import FORMAT_VERSION, Journal, frame, read_journal, recover
-from dynarl.runtime.records import (
+from dynarl.migrate._protocol import KIND_STEPS
+from dynarl.runtime.durable._journal import FORMAT_VERSION, Journal, frame, read_journal, recover
+from dynarl.runtime.durable._journal_records import (
     AllocationCommitted,
     CheckpointSaved,
     JournalHeader,

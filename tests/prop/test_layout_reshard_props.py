@@ -26,10 +26,10 @@ from dynarl.migrate import (
     Stage,
     dp_buffer,
     dp_param_ranges,
-    local_shape,
     plan_reshard,
     trainer_layout,
 )
+from dynarl.migrate._trainer_placement import local_shape
 
 WORLD = 8
 

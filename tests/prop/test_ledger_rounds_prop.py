@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dynarl.bus import DecisionRecord, MigrationRecord
-from dynarl.sched import Ledger, LedgerRecord, ObservationRecord, summarise_ledger
+from dynarl.sched import Ledger, LedgerRecord, summarise_ledger
+from dynarl.sched._ledger_records import ObservationRecord
 
 REASONS = ("hold: no donor", "hold: minimum interval between moves: 0.5 s to go", "hold: safe")
 THROUGHPUT = st.sampled_from([0.0, -0.0, 1.5, math.inf, math.nan]) | st.floats(0.0, 10.0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynarl.runtime.manifest import Manifest
+from dynarl.runtime.durable._manifest import Manifest
 
 FAULTS = ("none", "none", "drop", "train_twice", "output_twice", "score_twice")
 

@@ -24,12 +24,9 @@ from dynarl.migrate import (
     RebootMigration,
     Step,
     WorkloadMigration,
-    begin,
-    finish,
     new_migration,
-    record_refusal,
 )
-from dynarl.migrate.protocol import KIND_STEPS
+from dynarl.migrate._protocol import KIND_STEPS, begin, finish, record_refusal
 from dynarl.types import MigrationKind
 
 

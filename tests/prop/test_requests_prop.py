@@ -24,14 +24,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from dynarl.sched import (
-    FifoPolicy,
-    LeastAttainedServicePolicy,
-    PriorityPolicy,
-    QueuedRequest,
-    RequestPolicy,
-    RequestQueue,
-)
+from dynarl.sched import FifoPolicy, PriorityPolicy, QueuedRequest, RequestPolicy, RequestQueue
+from dynarl.sched._requests import LeastAttainedServicePolicy
 
 
 def machine_for(policy: RequestPolicy, bound: int | None) -> type[RuleBasedStateMachine]:

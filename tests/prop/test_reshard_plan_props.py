@@ -18,7 +18,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynarl.migrate import Region, Shard, TensorSpec, flat_range_boxes, plan_reshard
+from dynarl.migrate import Region, Shard, TensorSpec, plan_reshard
+from dynarl.migrate._region import flat_range_boxes
 
 MAX_RANKS = 6
 DTYPES = ["float32", "bfloat16", "int64", "uint8"]

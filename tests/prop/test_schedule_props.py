@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from test_reshard_plan_props import problems
 
 from dynarl.migrate import Region, Shard, TensorSpec, Transfer, plan_reshard
-from dynarl.migrate.schedule import ALIGN, Message, Schedule, build_schedule
+from dynarl.migrate._schedule import ALIGN, Message, Schedule, build_schedule
 
 
 def _contiguous(region: Region, shards: list[Shard]) -> bool:

@@ -20,7 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from sim_support import small
 
 from dynarl.sched import FifoPolicy, PriorityPolicy
-from dynarl.sim import EventLoop, Rollout, VectorRollout, build_trace
+from dynarl.sim import EventLoop, Rollout, build_trace
+from dynarl.sim._vector import VectorRollout
 
 
 class MigrationMachine(RuleBasedStateMachine):

@@ -17,14 +17,9 @@ from hypothesis import event, given, note
 from hypothesis import strategies as st
 from sched_support import PowerLawPredictor, report, stats_of
 
-from dynarl.sched import (
-    CostEstimate,
-    DonorSignal,
-    HyperNode,
-    Resize,
-    SchedulerConfig,
-    decide,
-)
+from dynarl.sched import CostEstimate, HyperNode, Resize, SchedulerConfig
+from dynarl.sched._planner import decide
+from dynarl.sched._window import DonorSignal
 from dynarl.types import Allocation, ComponentKind
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynarl.migrate import Layout, plan_reshard
-from dynarl.migrate.region import Shard
+from dynarl.migrate._region import Shard
 from dynarl.sched import (
     ComponentProfile,
     DynamicScheduleContext,
@@ -107,7 +107,8 @@ def test_reports_are_in_range(report: object) -> None:
 
 @given(queued_requests(), st.sampled_from(["priority", "fifo", "las"]))
 def test_a_queue_hands_out_every_request_once(requests: list[QueuedRequest], name: str) -> None:
-    from dynarl.sched import FifoPolicy, LeastAttainedServicePolicy, PriorityPolicy
+    from dynarl.sched import FifoPolicy, PriorityPolicy
+    from dynarl.sched._requests import LeastAttainedServicePolicy
 
     policy = {
         "priority": PriorityPolicy(),

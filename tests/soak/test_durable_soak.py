@@ -14,14 +14,9 @@ import pytest
 import torch
 from soak_support import soak
 
-from dynarl.runtime import (
-    CheckpointStore,
-    Journal,
-    Manifest,
-    ManifestConfig,
-    SampleSource,
-    SourceConfig,
-)
+from dynarl.runtime import CheckpointStore, Journal
+from dynarl.runtime.durable._manifest import Manifest, ManifestConfig
+from dynarl.runtime.durable._source import SampleSource, SourceConfig
 from dynarl.types import Allocation, MigrationKind
 
 pytestmark = pytest.mark.slow

@@ -37,7 +37,8 @@ from soak_support import (
 from soak_trace import memory_trace
 from torch._C._distributed_c10d import TCPStore
 
-from dynarl.runtime import DurableConfig, DurableRun, ManifestConfig
+from dynarl.runtime._durable_run import DurableConfig, DurableRun
+from dynarl.runtime.durable._manifest import ManifestConfig
 
 pytestmark = pytest.mark.slow
 

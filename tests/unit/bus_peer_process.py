@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from dynarl.bus import Ack, BusClient, BusConfig, BusServer, Interrupt, Peer, run
+from dynarl.bus import BusClient, BusConfig, BusServer, Interrupt, Peer, run
+from dynarl.bus._messages import Ack
 
 CONFIG = BusConfig(heartbeat_interval_s=0.1, num_missed_heartbeats=2, default_timeout_s=60.0)
 

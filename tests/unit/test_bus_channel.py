@@ -9,17 +9,9 @@ from typing import Any
 import pytest
 
 from dynarl import Channel
-from dynarl.bus import (
-    BusClient,
-    BusConfig,
-    BusServer,
-    ChannelItem,
-    ChannelTable,
-    GenerationRequest,
-    Sample,
-    pack_tokens,
-    run,
-)
+from dynarl.bus import BusClient, BusConfig, BusServer, GenerationRequest, Sample, pack_tokens, run
+from dynarl.bus._channel import ChannelTable
+from dynarl.bus._messages import ChannelItem
 from dynarl.errors import BusError, DeadlineExceeded, ProtocolError
 
 CONFIG = BusConfig(heartbeat_interval_s=0.1, default_timeout_s=10.0)

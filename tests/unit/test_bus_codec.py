@@ -6,20 +6,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from dynarl.bus import (
-    Ack,
-    BusConfig,
-    ControlMessage,
-    FrameCodec,
-    MessageCodec,
-    Ping,
-    Sample,
-    WorkerMetrics,
-    pack_tokens,
-    unpack_tokens,
-)
-from dynarl.bus.codec import Frame, Refusal
-from dynarl.bus.messages import ChannelPut
+from dynarl.bus import BusConfig, MessageCodec, Sample, WorkerMetrics, pack_tokens, unpack_tokens
+from dynarl.bus._codec import Frame, FrameCodec, Refusal
+from dynarl.bus._messages import Ack, ChannelPut, ControlMessage, Ping
 from dynarl.errors import ProtocolError
 
 raw = msgspec.msgpack.encode

@@ -6,7 +6,8 @@ import pytest
 
 import dynarl
 from dynarl import ComponentKind, WorkerGroup
-from dynarl.bus import GroupSpec, Sample, run
+from dynarl.bus import Sample, run
+from dynarl.bus._component import GroupSpec
 
 
 class Rollout(WorkerGroup, kind=ComponentKind.ROLLOUT, min_unit=2, min_workers=2, max_workers=8):

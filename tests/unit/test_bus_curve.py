@@ -18,15 +18,14 @@ from dynarl.bus import (
     BusServer,
     CurveClient,
     CurveServer,
-    Ping,
-    Pong,
     Publisher,
     generate_keys,
     load_public_key,
     load_secret_key,
     run,
 )
-from dynarl.bus.transport import check_bind_address
+from dynarl.bus._messages import Ping, Pong
+from dynarl.bus._transport import check_bind_address
 from dynarl.cli import main as cli
 from dynarl.errors import DeadlineExceeded
 

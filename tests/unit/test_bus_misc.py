@@ -8,19 +8,10 @@ import logging
 
 import pytest
 
-from dynarl.bus import (
-    BusConfig,
-    ComponentReport,
-    DecisionRecord,
-    PeerEvent,
-    Publisher,
-    Subscriber,
-    SyncBridge,
-    loop_name,
-    new_event_loop,
-    run,
-)
-from dynarl.bus.stats import RateLimitedLog
+from dynarl.bus import BusConfig, ComponentReport, DecisionRecord, PeerEvent, Publisher, run
+from dynarl.bus._loop import SyncBridge, loop_name, new_event_loop
+from dynarl.bus._pubsub import Subscriber
+from dynarl.bus._stats import RateLimitedLog
 from dynarl.errors import DeadlineExceeded
 
 _names = itertools.count()

@@ -1,6 +1,6 @@
 """Killing a peer's process fails the requests waiting on it with PeerLostError, long
 before their 60 s deadline: within (num_missed_heartbeats + 1) heartbeat intervals by the
-rule in ``dynarl.bus.peers``, which ``test_the_loss_rule`` checks exactly."""
+rule in ``dynarl.bus._peers``, which ``test_the_loss_rule`` checks exactly."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dynarl.bus import BusClient, BusConfig, BusServer, Interrupt, run
-from dynarl.bus.peers import Peer, overdue
+from dynarl.bus._peers import Peer, overdue
 from dynarl.errors import PeerLostError
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from dynarl.bus import run
-from dynarl.bus.peers import Peer
-from dynarl.bus.pending import PendingRequests
+from dynarl.bus._peers import Peer
+from dynarl.bus._pending import PendingRequests
 from dynarl.errors import BusError, DeadlineExceeded
 
 

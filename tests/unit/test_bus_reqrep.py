@@ -10,25 +10,20 @@ from typing import Any
 
 import pytest
 
-from dynarl.bus import (
+from dynarl.bus import BusClient, BusConfig, BusServer, Interrupt, PeerEvent, WorkerMetrics, run
+from dynarl.bus._codec import Frame, FrameCodec
+from dynarl.bus._inproc import MemDealer
+from dynarl.bus._messages import (
+    PROTOCOL_VERSION,
     Ack,
-    BusClient,
-    BusConfig,
-    BusServer,
+    ErrorReply,
     Heartbeat,
-    Interrupt,
-    PeerEvent,
     Ping,
     Pong,
     Register,
     Welcome,
-    WorkerMetrics,
-    run,
 )
-from dynarl.bus.codec import Frame, FrameCodec
-from dynarl.bus.inproc import MemDealer
-from dynarl.bus.messages import PROTOCOL_VERSION, ErrorReply
-from dynarl.bus.peers import Peer
+from dynarl.bus._peers import Peer
 from dynarl.errors import BusError, DeadlineExceeded, PeerLostError, ProtocolError, RemoteError
 
 FAST = BusConfig(heartbeat_interval_s=0.05, num_missed_heartbeats=2, default_timeout_s=10.0)

@@ -13,21 +13,10 @@ from pathlib import Path
 import msgpack
 import msgspec
 
-from dynarl.bus import (
-    Ack,
-    BusConfig,
-    BusServer,
-    ComponentReport,
-    ControlMessage,
-    DataMessage,
-    EventMessage,
-    Interrupt,
-    Peer,
-    PeerEvent,
-    run,
-)
-from dynarl.bus.records import RejectedCandidate
-from dynarl.bus.stats import BAD_FRAME_REASONS
+from dynarl.bus import BusConfig, BusServer, ComponentReport, Interrupt, Peer, PeerEvent, run
+from dynarl.bus._messages import Ack, ControlMessage, DataMessage, EventMessage
+from dynarl.bus._report_records import RejectedCandidate
+from dynarl.bus._stats import BAD_FRAME_REASONS
 
 ROOT = Path(__file__).parent.parent.parent
 WIRE = (ROOT / "docs" / "wire.md").read_text()

@@ -12,11 +12,11 @@ import torch
 
 from dynarl.errors import IntegrityError
 from dynarl.migrate import Layout, LayoutSpec, ParamSpec, Stage, trainer_layout
-from dynarl.runtime.checkpoint import MANIFEST, CheckpointRef, CheckpointStore
-from dynarl.runtime.journal import Journal, recover
-from dynarl.runtime.manifest import Manifest
-from dynarl.runtime.rng import capture_rng, restore_rng
-from dynarl.runtime.source import SampleSource, SourceConfig
+from dynarl.runtime.durable._checkpoint import MANIFEST, CheckpointRef, CheckpointStore
+from dynarl.runtime.durable._journal import Journal, recover
+from dynarl.runtime.durable._manifest import Manifest
+from dynarl.runtime.durable._rng import capture_rng, restore_rng
+from dynarl.runtime.durable._source import SampleSource, SourceConfig
 
 
 def some_tensors() -> dict[str, torch.Tensor]:

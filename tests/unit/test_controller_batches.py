@@ -1,6 +1,6 @@
 """The live controller hands the scheduler what is queued as one batch: one round on it.
 
-A real :class:`~dynarl.runtime.controller.Controller` (its TCPStore, bus server,
+A real :class:`~dynarl.runtime.controller._controller.Controller` (its TCPStore, bus server,
 publisher, managers and scheduler task; no workers). Reports go in through the callback
 the group managers are wired with; the scheduler reads the controller's queue through
 ``queued_batches``, and a spy on its ``handle_many`` keeps each batch it is handed. The
@@ -19,9 +19,9 @@ from sched_support import report
 
 from dynarl.bus import ComponentReport, DecisionRecord
 from dynarl.runtime import ComponentSpec, RuntimeConfig
-from dynarl.runtime.controller import Controller
+from dynarl.runtime.controller._controller import Controller
 from dynarl.sched import LedgerRecord, MigrationCommand, SchedulerConfig, SchedulerEvent
-from dynarl.sched.records import ObservationRecord
+from dynarl.sched._ledger_records import ObservationRecord
 from dynarl.testing import ScriptedRollout, ShadowTrainer, TinyTrainer
 from dynarl.types import MigrationKind
 

@@ -28,7 +28,7 @@ def test_shim_not_applied_when_cuda_exists() -> None:
         import torch
         torch.cuda.is_available = lambda: True
         before = torch.cuda.current_device
-        from dynarl.backends.cpu_compat import apply_cpu_shim, cpu_shim_applied
+        from dynarl.backends._cpu_compat import apply_cpu_shim, cpu_shim_applied
         print(apply_cpu_shim(), cpu_shim_applied(), torch.cuda.current_device is before)
         """
     )
@@ -41,7 +41,7 @@ def test_shim_makes_gpt_forward_backward_run_on_cpu() -> None:
         """
         import os
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-        from dynarl.backends.cpu_compat import apply_cpu_shim
+        from dynarl.backends._cpu_compat import apply_cpu_shim
         assert apply_cpu_shim()
         import torch, torch.distributed as dist
         store = dist.HashStore()

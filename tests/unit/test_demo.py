@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dynarl.backends.reference import RunPlan, Schedule, StepReport
-from dynarl.backends.reference.experiment import RunResult, compare
-from dynarl.demo import format_summary, write_run_dir
+from dynarl.demo._demo import format_summary, write_run_dir
+from dynarl.demo._device_schedules import RunPlan, Schedule, StepReport
+from dynarl.demo._experiment import RunResult, compare
 
 
 def step(

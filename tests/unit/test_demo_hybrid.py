@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from dynarl.backends.reference import AsyncConfig, AsyncRunResult, AsyncStepReport
-from dynarl.demo import add_arguments
-from dynarl.demo_hybrid import METRICS, format_summary, job_configs, write_run_dir
+from dynarl.demo._async_records import AsyncConfig, AsyncRunResult, AsyncStepReport
+from dynarl.demo._demo import add_arguments
+from dynarl.demo._hybrid_demo import METRICS, format_summary, job_configs, write_run_dir
 
 
 def report(index: int, *, hybrid: bool) -> AsyncStepReport:

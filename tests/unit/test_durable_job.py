@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from dynarl.runtime import ComponentSpec, DurableConfig, Job, JobConfig, SourceConfig, recover
-from dynarl.runtime.job import _recovered
-from dynarl.runtime.journal import Journal
+from dynarl.runtime import ComponentSpec, Job, JobConfig
+from dynarl.runtime._durable_run import DurableConfig
+from dynarl.runtime._job import _recovered
+from dynarl.runtime.durable._journal import Journal, recover
+from dynarl.runtime.durable._source import SourceConfig
 from dynarl.testing import ScriptedRollout, TinyTrainer
 from dynarl.types import Allocation, MigrationKind
 
@@ -62,7 +64,7 @@ def test_a_workers_rng_file_puts_its_generators_back(tmp_path: Path) -> None:
 
     import torch
 
-    from dynarl.runtime import load_rng_file, save_rng_file
+    from dynarl.runtime.durable._rng import load_rng_file, save_rng_file
 
     assert not load_rng_file(tmp_path, 3)
     save_rng_file(tmp_path, 3)

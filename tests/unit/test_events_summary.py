@@ -13,18 +13,17 @@ from sim_support import small
 from dynarl.bus import DecisionRecord, MigrationRecord, RejectedCandidate
 from dynarl.cli import main
 from dynarl.sched import (
-    ComponentObservation,
     Ledger,
     LedgerRecord,
-    ObservationRecord,
     SafeModeRecord,
     format_summary,
-    ledger_series,
     plot_ledger,
-    reason_category,
     summarise_ledger,
     summary_json,
 )
+from dynarl.sched._ledger_records import ComponentObservation, ObservationRecord
+from dynarl.sched._series import ledger_series
+from dynarl.sched._summary import reason_category
 from dynarl.sim import Simulation
 from dynarl.sim.policies import DynarlPolicy
 

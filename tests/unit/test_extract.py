@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dynarl.sched import ExtractedGraph, extract_graph
+from dynarl.sched import extract_graph
+from dynarl.sched._extract import ExtractedGraph
 from dynarl.types import ComponentKind
 
 
@@ -522,7 +523,7 @@ def test_recursion_and_huge_loops_terminate() -> None:
 
 
 def test_widening_and_budget_are_reported_not_guessed(monkeypatch: pytest.MonkeyPatch) -> None:
-    import dynarl.sched.interpreter as interpreter
+    import dynarl.sched._interpreter as interpreter
 
     monkeypatch.setattr(interpreter, "MAX_CONTEXTS", 4)
     widened = extract_graph(BOUNDED)

@@ -8,7 +8,7 @@ from datetime import timedelta
 from torch.distributed import HashStore
 from torch.distributed import distributed_c10d as c10d
 
-from dynarl.migrate.groups import build_group
+from dynarl.migrate._groups import build_group
 
 
 def test_closing_a_group_forgets_its_name_tag_and_rendezvous_key() -> None:

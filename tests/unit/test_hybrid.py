@@ -8,17 +8,19 @@ from dataclasses import replace
 import pytest
 
 from dynarl.sched import (
-    DefaultHybridPolicy,
     DynamicScheduleContext,
-    FixedRatioPolicy,
     HybridController,
-    HybridState,
     ManualClock,
-    StaticFullyAsyncPolicy,
     build_policy,
     register_policy,
+)
+from dynarl.sched._hybrid import (
+    DefaultHybridPolicy,
+    FixedRatioPolicy,
+    StaticFullyAsyncPolicy,
     registered_policies,
 )
+from dynarl.sched._replicas import HybridState
 
 
 def ctx(**overrides: object) -> DynamicScheduleContext:

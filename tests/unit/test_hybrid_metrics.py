@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dynarl.sched import (
-    DynamicResourceMetrics,
-    RolloutUtilization,
+from dynarl.sched import DynamicResourceMetrics, RolloutUtilization
+from dynarl.sched._metrics import (
     resource_utilization,
     rollout_capacity,
     rollout_resource_utilization,

@@ -16,21 +16,20 @@ import pytest
 import standin_job
 from torch._C._distributed_c10d import TCPStore
 
+from dynarl._distenv import DistEnv
 from dynarl.bus import (
     BusClient,
     BusConfig,
     BusServer,
     CurveClient,
-    Ping,
-    Pong,
     generate_keys,
     load_secret_key,
     run,
 )
-from dynarl.config import DistEnv
+from dynarl.bus._messages import Ping, Pong
 from dynarl.errors import DeadlineExceeded, WorkerError
-from dynarl.runtime import recover
-from dynarl.runtime.launch import (
+from dynarl.runtime.durable._journal import recover
+from dynarl.runtime.launch._torchrun import (
     ControllerContext,
     LaunchConfig,
     WorkerContext,

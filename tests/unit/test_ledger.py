@@ -10,7 +10,8 @@ import msgspec
 import pytest
 
 from dynarl.bus import DecisionRecord, MigrationRecord
-from dynarl.sched import Ledger, RoundsRecord
+from dynarl.sched import Ledger
+from dynarl.sched._ledger_records import RoundsRecord
 
 
 def decision(i: int, *, committed: bool, time: float, donor: str | None = None) -> DecisionRecord:

@@ -15,7 +15,6 @@ from dynarl.sched import (
     ManualClock,
     MigrationCommand,
     MoveOutcome,
-    ObservationRecord,
     OperatorCommand,
     SafeModeRecord,
     Scheduler,
@@ -23,6 +22,7 @@ from dynarl.sched import (
     StaticMigrationCost,
     summarise_ledger,
 )
+from dynarl.sched._ledger_records import ObservationRecord
 from dynarl.types import Allocation, ComponentKind, MigrationKind
 
 NODES = {

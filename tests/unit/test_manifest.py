@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dynarl.runtime.manifest import Manifest, ManifestConfig, step_digests
+from dynarl.runtime.durable._manifest import Manifest, ManifestConfig, step_digests
 
 
 def run_step(manifest: Manifest, step: int, ids: Sequence[str], order: Sequence[str]) -> str:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.distributed import distributed_c10d as c10d
 
 import dynarl.backends.megatron as megatron_backend
+from dynarl.backends._grpo import TrainSample, pad_samples
 from dynarl.backends.megatron import (
     GPTModelConfig,
     MegatronTrainConfig,
@@ -32,9 +33,8 @@ from dynarl.backends.megatron import (
     to_hf,
     write_hf_tensors,
 )
-from dynarl.backends.megatron.model import causal_inputs, token_logprobs
+from dynarl.backends.megatron._gpt_model import causal_inputs, token_logprobs
 from dynarl.backends.reference import solo_process_group
-from dynarl.backends.reference.grpo import TrainSample, pad_samples
 from dynarl.migrate import LayoutSpec
 
 # Megatron 0.16.1's RowParallelLinear does not pass its own group down and warns about it on
@@ -159,7 +159,7 @@ def test_description_is_cheap_complete_and_matches_a_built_model(solo: Any) -> N
     assert len(specs) == 2 + 6 * 2 + 1
     built = trainer(solo)
     try:
-        from dynarl.migrate.megatron_layout import param_specs
+        from dynarl.migrate._megatron_layout import param_specs
 
         assert param_specs(built.module, tp=1) == specs
     finally:
@@ -192,10 +192,10 @@ def test_distributed_optimizer_ranges_are_checked_against_megatrons(solo: Any) -
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from test_megatron_buffer_ranges import StubGroup  # a DP group seen from one rank
 
-    from dynarl.backends.megatron.instance import distributed_optimizer_mismatches
-    from dynarl.backends.megatron.model import pg_collection
+    from dynarl.backends.megatron._gpt_model import pg_collection
+    from dynarl.backends.megatron._instance import distributed_optimizer_mismatches
     from dynarl.migrate import trainer_layout
-    from dynarl.migrate.megatron_layout import param_names
+    from dynarl.migrate._megatron_layout import param_names
 
     one = trainer(solo)
     try:

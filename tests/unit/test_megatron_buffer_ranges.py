@@ -1,4 +1,4 @@
-"""dynarl.migrate.buffer reproduces Megatron's own DDP buffer and distributed-optimizer maps.
+"""dynarl.migrate._buffer reproduces Megatron's own DDP buffer and distributed-optimizer maps.
 
 Megatron's real ``_ParamAndGradBuffer`` is built on CPU (the shim makes its
 ``torch.cuda.current_device()`` allocations land on CPU) with a stand-in data-parallel
@@ -19,7 +19,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynarl.backends.cpu_compat import apply_cpu_shim
+from dynarl.backends._cpu_compat import apply_cpu_shim
 from dynarl.migrate import BufferParam, dp_buffer, dp_param_ranges
 
 apply_cpu_shim()

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from dynarl.migrate import ExecutorConfig
-from dynarl.migrate.executor import _lower_priority
+from dynarl.migrate._executor import _lower_priority
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from dynarl.migrate import (
     replicated_layout,
     trainer_layout,
 )
-from dynarl.migrate.protocol import Step, begin, new_migration
+from dynarl.migrate._protocol import Step, begin, new_migration
 from dynarl.types import MigrationKind
 
 T = TensorSpec(name="w", shape=(4, 6), dtype="float32")
@@ -128,7 +128,7 @@ def test_weight_sync_to_replicated_engines_moves_each_parameter_once_per_engine(
     assert plan.max_rank_send_bytes < plan.bytes_moved / 2  # spread over the DP replicas
 
 
-PLANNING = ["region", "plan", "layout", "placement", "buffer", "protocol"]
+PLANNING = ["_region", "_reshard_plan", "_layout", "_trainer_placement", "_buffer", "_protocol"]
 
 
 @pytest.mark.parametrize("module", PLANNING)

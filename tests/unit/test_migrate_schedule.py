@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dynarl.migrate import Region, Shard, TensorSpec, plan_reshard
-from dynarl.migrate.schedule import Message, build_schedule, contiguous_within, piece_boxes
+from dynarl.migrate._schedule import Message, build_schedule, contiguous_within, piece_boxes
 
 W = TensorSpec(name="w", shape=(8, 16), dtype="float32")  # 512 bytes
 

@@ -7,13 +7,8 @@ import pytest
 from sched_support import report
 
 from dynarl.bus import ComponentReport
-from dynarl.sched import (
-    ComponentProfile,
-    PredictorConfig,
-    ProfilePoint,
-    RegressionPredictor,
-    ThroughputPredictor,
-)
+from dynarl.sched import ComponentProfile, ProfilePoint, RegressionPredictor, ThroughputPredictor
+from dynarl.sched._sched_config import PredictorConfig
 
 NUM_SAMPLES = 30
 """Online samples after which the outlier bound is claimed."""

@@ -186,7 +186,8 @@ def test_refusals() -> None:
 def test_the_endpoint_is_on_by_default_and_known_missing_without_the_extra(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from dynarl.runtime import RuntimeConfig, prometheus
+    from dynarl.runtime import RuntimeConfig
+    from dynarl.runtime.controller import _prometheus as prometheus
 
     assert RuntimeConfig().metrics_port == 0
     assert prometheus.metrics_available()

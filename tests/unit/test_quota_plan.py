@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from sched_support import NODES, START
 
-from dynarl.sched import QuotaChange, QuotaPlan, SchedulerConfig, plan_quota_change
+from dynarl.sched import SchedulerConfig
+from dynarl.sched._events import QuotaChange
+from dynarl.sched._quota import QuotaPlan, plan_quota_change
 
 CONFIG = SchedulerConfig(num_devices_per_node=4, min_quota_devices=4, max_quota_devices=24)
 

@@ -8,20 +8,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from dynarl.backends.reference import (
-    EngineConfig,
+from dynarl.backends.reference import EngineConfig, GPTConfig, RolloutEngine, solo_process_group
+from dynarl.backends.reference._gpt import ParallelGPT
+from dynarl.backends.reference._prefix_cache import PrefixCache
+from dynarl.backends.reference._request import (
     FinishReason,
     GenerationOutput,
     GenerationRequest,
-    GPTConfig,
-    ParallelGPT,
     PendingRequest,
-    PrefixCache,
-    RolloutEngine,
-    sample_tokens,
-    sampling_uniform,
-    solo_process_group,
 )
+from dynarl.backends.reference._sampling import sample_tokens, sampling_uniform
 
 MODEL = GPTConfig(hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64, max_seq_len=96)
 STOP = 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynarl.backends.reference.plan import grow_pays
+from dynarl.demo._device_schedules import grow_pays
 
 
 def test_a_few_micro_batches_left_do_not_pay_for_a_grow_and_a_shrink() -> None:

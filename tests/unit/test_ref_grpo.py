@@ -7,7 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynarl.backends.reference import GRPOConfig, group_advantages, kl_k3, policy_loss
+from dynarl.backends._grpo import group_advantages, kl_k3, policy_loss
+from dynarl.backends.reference import GRPOConfig
 
 
 @given(

@@ -7,17 +7,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from dynarl.backends.reference import (
-    Decoder,
-    DecoderRows,
-    GPTConfig,
-    KVPool,
-    KVPoolShape,
-    ParallelGPT,
-    check_full_state,
-    param_layout,
-    solo_process_group,
-)
+from dynarl.backends.reference import GPTConfig, solo_process_group
+from dynarl.backends.reference._decoder import Decoder, DecoderRows
+from dynarl.backends.reference._gpt import ParallelGPT, check_full_state, param_layout
+from dynarl.backends.reference._kvcache import KVPool, KVPoolShape
 
 CONFIG = GPTConfig(hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64, max_seq_len=64)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dynarl.backends.reference.placement import grow_target, rollout_route, wake_target
-from dynarl.backends.reference.plan import RunPlan, Schedule
+from dynarl.demo._device_schedules import RunPlan, Schedule
+from dynarl.demo._phase_moves import grow_target, rollout_route, wake_target
 from dynarl.types import Allocation
 
 DYNARL = RunPlan(schedule=Schedule.DYNARL, num_devices=3)

@@ -15,17 +15,16 @@ from dynarl.backends.reference import (
     GPTConfig,
     RolloutConfig,
     RolloutEngine,
-    SmokeConfig,
     ToolCalcTask,
     ToolLatency,
     ToolWorker,
     TrainConfig,
     Trainer,
     collect_rollouts,
-    run_grpo,
     sft_samples,
     solo_process_group,
 )
+from dynarl.demo._smoke import SmokeConfig, run_grpo
 
 
 @pytest.fixture(autouse=True)

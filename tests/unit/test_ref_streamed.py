@@ -10,17 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynarl.backends.reference import (
-    GPTConfig,
-    GradientBook,
-    TrainConfig,
-    Trainer,
-    TrainSample,
-    solo_process_group,
-    state_checksum,
-)
+from dynarl.backends._grpo import TrainSample
+from dynarl.backends.reference import GPTConfig, TrainConfig, Trainer, solo_process_group
+from dynarl.backends.reference._accumulate import GradientBook
+from dynarl.backends.reference._trainer import state_checksum
 from dynarl.errors import BackendError
-from dynarl.runtime.wire import decode_versions, encode_versions
+from dynarl.runtime._worker_protocol import decode_versions, encode_versions
 
 MODEL = GPTConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, ffn_hidden_size=32)
 

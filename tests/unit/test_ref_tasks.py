@@ -8,14 +8,14 @@ import statistics
 import pytest
 
 from dynarl.backends.reference import (
-    Calculator,
     ChainSumTask,
     CharTokenizer,
     ToolCalcTask,
     ToolLatency,
     ToolWorker,
-    environment_mask,
 )
+from dynarl.backends.reference._tasks import environment_mask
+from dynarl.backends.reference._tools import Calculator
 
 
 def test_tokenizer_round_trips_and_pads_the_vocabulary() -> None:

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dynarl.backends._grpo import TrainSample
 from dynarl.backends.reference import (
     GPTConfig,
     GRPOConfig,
     LogProbWorker,
     TrainConfig,
     Trainer,
-    TrainSample,
     solo_process_group,
 )
 

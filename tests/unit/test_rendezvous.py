@@ -10,7 +10,7 @@ import pytest
 from torch._C._distributed_c10d import TCPStore
 
 from dynarl.errors import DeadlineExceeded, WorkerError
-from dynarl.runtime.rendezvous import Admission, AdmissionDesk, request_admission
+from dynarl.runtime.launch._rendezvous import Admission, AdmissionDesk, request_admission
 
 PREFIX = "dynarl/test/rendezvous"
 SERVER, ALICE, MALLORY = b"S" * 40, b"A" * 40, b"M" * 40

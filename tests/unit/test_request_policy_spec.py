@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import cast
 
 from dynarl.bus import BusConfig, Sample
-from dynarl.runtime import ComponentSpec, GroupManager, RuntimeConfig, WorkerLink
+from dynarl.runtime import ComponentSpec, RuntimeConfig
+from dynarl.runtime.controller._group_manager import GroupManager
+from dynarl.runtime.controller._link import WorkerLink
 from dynarl.sched import FifoPolicy, ManualClock, RequestPolicy, RoutedItem
 from dynarl.testing import ScriptedRollout
 

@@ -8,14 +8,11 @@ from typing import Any
 
 from dynarl.bus import MigrationRecord
 from dynarl.migrate import Outcome, Step
-from dynarl.runtime import (
-    ComponentMove,
-    ComponentSpec,
-    Coordinator,
-    FaultInjector,
-    PlannerCost,
-    RuntimeConfig,
-)
+from dynarl.runtime import ComponentSpec, RuntimeConfig
+from dynarl.runtime._faults import FaultInjector
+from dynarl.runtime.controller._coordinator import Coordinator
+from dynarl.runtime.controller._moves import ComponentMove
+from dynarl.runtime.controller._planner_cost import PlannerCost
 from dynarl.sched import DeviceMove, ManualClock, MigrationCommand, MoveOutcome
 from dynarl.testing import ScriptedRollout, TinyTrainer
 from dynarl.types import Allocation

@@ -13,9 +13,10 @@ import pytest
 
 from dynarl.bus import GenerationRequest, Sample, pack_tokens, unpack_tokens
 from dynarl.errors import PeerLostError
-from dynarl.runtime import Dispatcher, Manifest
-from dynarl.runtime.progress import Progress
-from dynarl.runtime.wire import FINISH, PROMPT_LEN, RESUMED, AbortInflight, Done
+from dynarl.runtime._worker_protocol import FINISH, PROMPT_LEN, RESUMED, AbortInflight, Done
+from dynarl.runtime.controller._dispatch import Dispatcher
+from dynarl.runtime.controller._progress import Progress
+from dynarl.runtime.durable._manifest import Manifest
 from dynarl.testing import scripted_token
 
 PROMPT = [7, 8, 9]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dynarl.runtime import Fault, FaultAction, FaultInjector, InjectedFault
+from dynarl.runtime._faults import Fault, FaultAction, FaultInjector, InjectedFault
 
 
 def test_faults_fire_at_their_phase_as_often_as_armed() -> None:

@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynarl.bus import ChannelTable, WorkerGroup
+from dynarl.bus import WorkerGroup
+from dynarl.bus._channel import ChannelTable
 from dynarl.errors import WorkerError
-from dynarl.runtime import ComputeThread, RoleContext, load_shards, save_shards
-from dynarl.runtime.host import RoleHost
-from dynarl.runtime.role import role_path
-from dynarl.runtime.wire import Activate
+from dynarl.runtime import RoleContext
+from dynarl.runtime._worker_protocol import Activate
+from dynarl.runtime.durable._shardfile import load_shards, save_shards
+from dynarl.runtime.worker._host import RoleHost
+from dynarl.runtime.worker._role import ComputeThread, role_path
 from dynarl.testing import TinyState, TinyTrainer
 from dynarl.types import ComponentKind
 

@@ -8,8 +8,19 @@ import pytest
 from dynarl.bus import Envelope, Sample, pack_tokens
 from dynarl.errors import ProtocolError
 from dynarl.migrate import plan_reshard
-from dynarl.runtime import ComponentSpec, PlannerCost, WorkerOptions, plan_moves
-from dynarl.runtime.wire import PROTOCOL, Activate, Call, CallResult, Reshard, pack, unpack
+from dynarl.runtime import ComponentSpec
+from dynarl.runtime._worker_protocol import (
+    PROTOCOL,
+    Activate,
+    Call,
+    CallResult,
+    Reshard,
+    pack,
+    unpack,
+)
+from dynarl.runtime.controller._coordinator import plan_moves
+from dynarl.runtime.controller._planner_cost import PlannerCost
+from dynarl.runtime.worker._options import WorkerOptions
 from dynarl.sched import DeviceMove, MigrationCommand, Resize
 from dynarl.testing import ScriptedRollout, ShadowTrainer, TinyTrainer
 from dynarl.types import Allocation, MigrationKind

@@ -17,14 +17,14 @@ from dynarl.sched import (
     MigrationCommand,
     MoveOutcome,
     OperatorCommand,
-    QuotaChange,
     Scheduler,
     SchedulerConfig,
     StaticMigrationCost,
     Tick,
     queued_batches,
 )
-from dynarl.sched.records import ObservationRecord
+from dynarl.sched._events import QuotaChange
+from dynarl.sched._ledger_records import ObservationRecord
 from dynarl.types import Allocation, MigrationKind
 
 

@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from dynarl.backends.sglang import ClientConfig, GenerateRequest, SGLangClient
-from dynarl.backends.sglang.launcher import free_port
+from dynarl.backends.sglang import SGLangClient
+from dynarl.backends.sglang._client import ClientConfig
+from dynarl.backends.sglang._http_wire import GenerateRequest
+from dynarl.backends.sglang._server_launcher import free_port
 from dynarl.errors import BackendError
 
 

@@ -17,18 +17,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from dynarl.backends.sglang import (
-    ClientConfig,
-    GenerateRequest,
-    SamplingParams,
-    SGLangClient,
-    SGLangEngine,
-    execute_steps,
-    plan_activate,
-    plan_deactivate,
-)
+from dynarl.backends.sglang import SGLangClient
+from dynarl.backends.sglang._client import ClientConfig
+from dynarl.backends.sglang._control_steps import execute_steps, plan_activate, plan_deactivate
+from dynarl.backends.sglang._http_wire import GenerateRequest, SamplingParams
+from dynarl.backends.sglang._sglang_engine import SGLangEngine
 from dynarl.errors import BackendError
-from dynarl.testing import FakeSGLangConfig, FakeSGLangServer
+from dynarl.testing.sglang_fake._fake_config import FakeSGLangConfig
+from dynarl.testing.sglang_fake._server import FakeSGLangServer
 
 REAL_URL = os.environ.get("DYNARL_SGLANG_URL")
 TARGETS = [

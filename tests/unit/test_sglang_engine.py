@@ -9,35 +9,40 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynarl.backends.sglang import (
+from dynarl.backends.sglang import SGLangClient
+from dynarl.backends.sglang._client import ClientConfig
+from dynarl.backends.sglang._control_steps import (
     AddToRouting,
-    ClientConfig,
     Continue,
-    GenerateRequest,
-    GenerateResult,
-    LoadSnapshot,
-    LoadsReply,
     Pause,
     ReleaseMemory,
     RemoveFromRouting,
     ResumeMemory,
-    SamplingParams,
-    SGLangClient,
-    SGLangEngine,
     SyncWeights,
     WaitIdle,
-    continuation,
     execute_steps,
-    merge_results,
     plan_activate,
     plan_deactivate,
     plan_workload_drain,
+)
+from dynarl.backends.sglang._http_wire import (
+    GenerateRequest,
+    GenerateResult,
+    LoadSnapshot,
+    LoadsReply,
+    SamplingParams,
+)
+from dynarl.backends.sglang._sglang_engine import (
+    SGLangEngine,
+    continuation,
+    merge_results,
     rollout_report,
     worker_metrics,
 )
 from dynarl.bus import WorkerMetrics
 from dynarl.errors import BackendError
-from dynarl.testing import FakeSGLangConfig, FakeSGLangServer
+from dynarl.testing.sglang_fake._fake_config import FakeSGLangConfig
+from dynarl.testing.sglang_fake._server import FakeSGLangServer
 
 
 def _engine(server: FakeSGLangServer, **kwargs: object) -> SGLangEngine:
@@ -180,7 +185,7 @@ def test_a_partial_at_its_length_limit_is_not_resent() -> None:
 
 
 def _abort() -> object:
-    from dynarl.backends.sglang import FinishReason
+    from dynarl.backends.sglang._http_wire import FinishReason
 
     return FinishReason(type="abort", message="Aborted")
 

@@ -9,7 +9,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from dynarl.testing import FakeSGLangConfig, FakeSGLangServer
+from dynarl.testing.sglang_fake._fake_config import FakeSGLangConfig
+from dynarl.testing.sglang_fake._server import FakeSGLangServer
 
 Body = dict[str, Any]
 

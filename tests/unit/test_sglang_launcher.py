@@ -12,17 +12,12 @@ import sys
 
 import pytest
 
-from dynarl.backends.sglang import (
-    GenerateRequest,
-    SamplingParams,
-    SGLangClient,
-    SGLangServer,
-    SGLangServerConfig,
-    launch_command,
-)
+from dynarl.backends.sglang import SGLangClient
+from dynarl.backends.sglang._http_wire import GenerateRequest, SamplingParams
+from dynarl.backends.sglang._server_launcher import SGLangServer, SGLangServerConfig, launch_command
 from dynarl.errors import BackendError
 
-FAKE = "dynarl.backends.sglang_fake"
+FAKE = "dynarl.testing.sglang_fake"
 
 
 def _alive(pid: int) -> bool:

@@ -15,9 +15,9 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from dynarl.backends.sglang import wire
-from dynarl.backends.sglang_fake import schema
-from dynarl.backends.sglang_fake.server import _ADMIN, FakeSGLangServer
+from dynarl.backends.sglang import _http_wire as wire
+from dynarl.testing.sglang_fake import _schema as schema
+from dynarl.testing.sglang_fake._server import _ADMIN, FakeSGLangServer
 
 SCHEMA_DIR = pathlib.Path(__file__).parents[1] / "sglang_schema"
 SNAPSHOT = json.loads((SCHEMA_DIR / "sglang-0.5.23.json").read_text())

@@ -13,23 +13,26 @@ from dynarl.backends.sglang import (
     Bucket,
     GPTLayout,
     TensorMeta,
-    cpu_tensor_hash,
-    cuda_tensor_hash,
     expected_checksums,
-    flatten_bucket,
     hf_to_megatron,
     megatron_to_hf,
-    merge_gated_fc1,
-    merge_qkv,
     overall_checksum,
-    partition_dim,
-    plan_buckets,
     sglang_rank_params,
-    split_gated_fc1,
-    split_qkv,
+)
+from dynarl.backends.sglang._buckets import (
+    flatten_bucket,
+    plan_buckets,
     tensor_meta,
     unflatten_bucket,
 )
+from dynarl.backends.sglang._hf_layout import (
+    merge_gated_fc1,
+    merge_qkv,
+    partition_dim,
+    split_gated_fc1,
+    split_qkv,
+)
+from dynarl.backends.sglang._weight_check import cpu_tensor_hash, cuda_tensor_hash
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float64]
 

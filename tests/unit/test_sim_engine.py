@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from dynarl.sched import FifoPolicy, PriorityPolicy, RequestPolicy
-from dynarl.sim import Engine, EventLoop, SimRequest
-from dynarl.sim.specs import RolloutSpec
+from dynarl.sim import EventLoop
+from dynarl.sim._engine_model import Engine, SimRequest
+from dynarl.sim._specs import RolloutSpec
 
 SPEC = RolloutSpec(
     tp=1,

@@ -9,8 +9,9 @@ import pytest
 from sim_support import small
 
 from dynarl.sched import FifoPolicy
-from dynarl.sim import DynarlPolicy, Simulation, StageSpec, StaticSequential
-from dynarl.sim.workload import Workload
+from dynarl.sim import DynarlPolicy, Simulation, StageSpec
+from dynarl.sim._workload_file import Workload
+from dynarl.sim.policies._static import StaticSequential
 
 
 def _fused(workload: Workload) -> Workload:

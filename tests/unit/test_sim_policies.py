@@ -11,21 +11,14 @@ from sim_support import shipped, small
 
 from dynarl.bus import ComponentReport, DecisionRecord, MigrationRecord
 from dynarl.sched import DeviceMove, FifoPolicy, MigrationCommand, PriorityPolicy, Resize
-from dynarl.sim import (
-    DynarlPolicy,
-    ModelledMigrationCost,
-    RlinfRule,
-    SimPolicy,
-    Simulation,
-    StaticSequential,
-    StaticSplit,
-    VerlHybrid,
-    make_policy,
-    migration_bytes,
-    rlinf_dp_sizes,
-    start_partition,
-)
+from dynarl.sim import DynarlPolicy, Simulation, start_partition
+from dynarl.sim._components import ModelledMigrationCost, SimPolicy, migration_bytes
+from dynarl.sim._profile import rlinf_dp_sizes
 from dynarl.sim.policies import POLICY_NAMES
+from dynarl.sim.policies._registry import make_policy
+from dynarl.sim.policies._rlinf import RlinfRule
+from dynarl.sim.policies._static import StaticSequential, StaticSplit
+from dynarl.sim.policies._verl import VerlHybrid
 from dynarl.types import MigrationKind
 
 

@@ -17,7 +17,8 @@ from functools import cache
 import pytest
 from sim_support import shipped
 
-from dynarl.sim import RunResult, run_policy, with_overrides
+from dynarl.sim import run_policy, with_overrides
+from dynarl.sim._results import RunResult
 
 
 @cache

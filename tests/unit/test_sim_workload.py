@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from sim_support import WORKLOADS, shipped, small
 
-from dynarl.sim import build_trace, dump_workload, file_hash, load_workload, with_overrides
-from dynarl.sim.workload import workload_from_dict
+from dynarl.sim import build_trace, dump_workload, load_workload, with_overrides
+from dynarl.sim._workload_file import file_hash, workload_from_dict
 
 HASHES = {
     "agentic-1.5b-128gpu": "be7adf0af40c98678b519a3ce9a7f94aaaa9ec3c9108c7e0b8dd972fecebd89a",

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynarl.runtime.source import SampleSource, SourceConfig, permute
+from dynarl.runtime.durable._source import SampleSource, SourceConfig, permute
 
 
 @given(size=st.integers(1, 300), key=st.integers(0, 2**64 - 1))

@@ -7,13 +7,9 @@ import pytest
 from sched_support import report
 
 from dynarl.bus import WorkerMetrics
-from dynarl.sched import (
-    MetricsBuffer,
-    SchedulerConfig,
-    WindowSet,
-    aggregate_metrics,
-    detect_donors,
-)
+from dynarl.sched import MetricsBuffer, SchedulerConfig
+from dynarl.sched._telemetry import aggregate_metrics
+from dynarl.sched._window import WindowSet, detect_donors
 
 
 def metrics(worker: int, util: float, **kw: object) -> WorkerMetrics:

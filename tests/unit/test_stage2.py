@@ -10,15 +10,15 @@ from sched_support import NODES, ROLLOUT, TRAINER, PowerLawPredictor, report, st
 
 from dynarl.sched import (
     CostEstimate,
-    DonorSignal,
     HyperNode,
     Node,
     Resize,
     SchedulerConfig,
     StaticMigrationCost,
-    decide,
     place,
 )
+from dynarl.sched._planner import decide
+from dynarl.sched._window import DonorSignal
 from dynarl.types import Allocation, ComponentKind, MigrationKind
 
 COST = StaticMigrationCost(seconds={MigrationKind.WORKLOAD: 1.0, MigrationKind.P2P: 2.0})

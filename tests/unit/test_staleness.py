@@ -6,15 +6,15 @@ import asyncio
 
 import pytest
 
-from dynarl.backends.reference.staleness import (
+from dynarl.backends.reference._staleness import (
     MessageQueue,
     StalenessStats,
     group_admissible,
     sample_staleness,
     token_versions,
 )
-from dynarl.bus.messages import Sample, pack_tokens
-from dynarl.runtime.wire import RESUMED, VERSIONS, encode_versions
+from dynarl.bus._messages import Sample, pack_tokens
+from dynarl.runtime._worker_protocol import RESUMED, VERSIONS, encode_versions
 
 
 def sample(sid: str, versions: list[int], *, resumed: int = 0) -> Sample:

@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from dynarl.backends.reference.tolerance import compare_curves, group_means
+from dynarl.demo._tolerance import compare_curves, group_means
 
 NUM_STEPS, NUM_GROUPS, GROUP_SIZE, LAST_K = 6, 8, 8, 3
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dynarl import Allocation, DynarlError, ParallelDims, PeerLostError, ProtocolError
-from dynarl.config import DistEnv
+from dynarl._distenv import DistEnv
 
 
 def test_allocation_is_canonical() -> None:

@@ -16,7 +16,8 @@ trainer steps with ``torch.optim.AdamW`` on DDP's ``main_grad`` (see :mod:`.opti
 
 from __future__ import annotations
 
-from dynarl.backends.megatron.checkpoint import (
+from dynarl.backends.megatron._gpt_model import describe
+from dynarl.backends.megatron._hf_checkpoint import (
     export_hf_checkpoint,
     hf_config,
     load_hf_checkpoint,
@@ -24,9 +25,8 @@ from dynarl.backends.megatron.checkpoint import (
     read_hf_tensors,
     write_hf_tensors,
 )
-from dynarl.backends.megatron.config import DTYPES, GPTModelConfig, MegatronTrainConfig
-from dynarl.backends.megatron.model import describe
-from dynarl.backends.megatron.sync import (
+from dynarl.backends.megatron._megatron_trainer import MegatronTrainer
+from dynarl.backends.megatron._sync import (
     SyncReport,
     check_hf_compatible,
     from_hf,
@@ -34,7 +34,7 @@ from dynarl.backends.megatron.sync import (
     sync_weights,
     to_hf,
 )
-from dynarl.backends.megatron.trainer import MegatronTrainer
+from dynarl.backends.megatron._train_config import DTYPES, GPTModelConfig, MegatronTrainConfig
 
 __all__ = [
     "DTYPES",

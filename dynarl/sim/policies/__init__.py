@@ -1,12 +1,12 @@
-"""The allocation policies the simulator compares (see ``shared/design/BASELINES.md``)."""
+"""The allocation policies the simulator compares (``docs/workloads.md``, "Policies")."""
 
 from __future__ import annotations
 
-from dynarl.sim.components import SimPolicy
-from dynarl.sim.policies.dynarl import DynarlPolicy
-from dynarl.sim.policies.rlinf import RlinfRule
-from dynarl.sim.policies.static import StaticSequential, StaticSplit
-from dynarl.sim.policies.verl import VerlHybrid
+from dynarl.sim.policies._dynarl import DynarlPolicy
+from dynarl.sim.policies._registry import POLICY_NAMES, make_policy
+from dynarl.sim.policies._rlinf import RlinfRule
+from dynarl.sim.policies._static import StaticSequential, StaticSplit
+from dynarl.sim.policies._verl import VerlHybrid
 
 __all__ = [
     "POLICY_NAMES",
@@ -17,30 +17,3 @@ __all__ = [
     "VerlHybrid",
     "make_policy",
 ]
-
-POLICY_NAMES = (
-    "static-sequential",
-    "static-split",
-    "rlinf-rule",
-    "verl-hybrid",
-    "dynarl",
-    "dynarl+priority",
-)
-"""Every policy, baselines first."""
-
-
-def make_policy(name: str) -> SimPolicy:
-    """A fresh policy object by name; raises ValueError for an unknown name."""
-    if name == "static-sequential":
-        return StaticSequential()
-    if name == "static-split":
-        return StaticSplit()
-    if name == "rlinf-rule":
-        return RlinfRule()
-    if name == "verl-hybrid":
-        return VerlHybrid()
-    if name == "dynarl":
-        return DynarlPolicy()
-    if name == "dynarl+priority":
-        return DynarlPolicy(priority=True)
-    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")

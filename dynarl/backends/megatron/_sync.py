@@ -1,0 +1,211 @@
+"""Weight sync MegatronTrainer → SGLang engines, and the Megatron ↔ HF tensor map it uses.
+
+SGLang takes full tensors under HF names, broadcast from one rank
+(``/update_weights_from_distributed``). So:
+
+1. :meth:`MegatronTrainer.gather` moves every parameter shard to the broadcasting rank
+   (plan: :func:`dynarl.migrate.plan_reshard` with one full copy on that rank as the
+   destination; TP shards, PP stages and DP replicas alike; checksummed);
+2. :func:`to_hf` renames and re-lays them with
+   :mod:`dynarl.backends.sglang._hf_layout` (fused QKV split per query group, gated
+   ``linear_fc1`` into ``gate``/``up``);
+3. :func:`dynarl.backends.sglang.push_weights` buckets and broadcasts them inside
+   ``/begin_weight_update`` … ``/end_weight_update``;
+4. every engine's ``/weights_checker`` checksums are compared with the ones computed from
+   the very tensors broadcast (:func:`dynarl.backends.sglang.expected_checksums`).
+
+:func:`sync_weights` runs all of it: the gather on every rank of the trainer layout (in a
+worker thread), the rest on the broadcasting rank's event loop. The same :func:`to_hf` /
+:func:`from_hf` serve HF checkpoint directories (:mod:`.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dynarl.backends.megatron._megatron_trainer import MegatronTrainer
+from dynarl.backends.megatron._train_config import GPTModelConfig
+from dynarl.backends.sglang import (
+    ExpectedChecksums,
+    HashDevice,
+    SGLangClient,
+    WeightSyncConfig,
+    checksum_mismatches,
+    expected_checksums,
+    hf_to_megatron,
+    megatron_to_hf,
+    plan_weight_sync,
+    push_weights,
+)
+from dynarl.errors import BackendError
+
+__all__ = ["SyncReport", "check_hf_compatible", "from_hf", "hf_names", "sync_weights", "to_hf"]
+
+logger = logging.getLogger(__name__)
+
+
+def check_hf_compatible(model: GPTModelConfig) -> None:
+    """Raise ValueError unless ``model`` maps onto an HF Llama/Qwen2 checkpoint (RMSNorm,
+    SwiGLU, biases at most on the query/key/value projection)."""
+    if model.normalization != "RMSNorm" or not model.gated_mlp or model.add_bias_linear:
+        raise ValueError(
+            "HF Llama/Qwen2 names need normalization='RMSNorm', gated_mlp=True and "
+            "add_bias_linear=False"
+        )
+
+
+def to_hf(tensors: Mapping[str, torch.Tensor], model: GPTModelConfig) -> dict[str, torch.Tensor]:
+    """Full Megatron-named tensors (as :meth:`MegatronTrainer.gather` returns them) → HF
+    names and layouts (views where possible). Raises ValueError for an incompatible model
+    or an unknown name."""
+    check_hf_compatible(model)
+    return megatron_to_hf(tensors, model.hf_layout())
+
+
+def from_hf(tensors: Mapping[str, torch.Tensor], model: GPTModelConfig) -> dict[str, torch.Tensor]:
+    """HF-named tensors → full Megatron-named tensors (inverse of :func:`to_hf`)."""
+    check_hf_compatible(model)
+    return hf_to_megatron(tensors, model.hf_layout())
+
+
+def hf_names(trainer: MegatronTrainer, megatron_names: Sequence[str]) -> dict[str, list[str]]:
+    """For each Megatron parameter name, the HF names its tensor becomes (computed on
+    ``meta`` tensors: no data)."""
+    shapes = {spec.name: spec.shape for spec in trainer.specs}
+    out = {}
+    for name in megatron_names:
+        meta = torch.empty(shapes[name], device="meta")
+        out[name] = list(to_hf({name: meta}, trainer.model_config))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncReport:
+    """What one weight sync did (on the broadcasting rank)."""
+
+    num_tensors: int
+    """HF tensors broadcast."""
+    num_bytes: int
+    """Bytes broadcast per engine."""
+    num_buckets: int
+    """Broadcasts (one ``update_weights_from_distributed`` each)."""
+    gather_s: float
+    """Seconds gathering the shards onto the broadcasting rank."""
+    push_s: float
+    """Seconds from group init to group destroyed."""
+    verify_s: float
+    """Seconds fetching and comparing ``/weights_checker`` checksums after the push (the
+    expected ones are computed during it)."""
+    per_engine_checksums: tuple[str, ...]
+    """Each engine's ``per_engine_checksum`` after the sync (equal to the expected ones)."""
+
+
+async def sync_weights(
+    trainer: MegatronTrainer,
+    clients: Sequence[SGLangClient],
+    config: WeightSyncConfig,
+    *,
+    engine_tp_sizes: Sequence[int] | None = None,
+    root: int | None = None,
+    dtype: torch.dtype | None = None,
+    checksum_device: HashDevice = "cuda",
+) -> SyncReport | None:
+    """Push the trainer's current weights to ``clients``' engines and prove they landed.
+
+    Every rank of the trainer layout calls it (the gather is collective); ``clients`` are
+    used on ``root`` (default: the layout's first rank), which returns the report; other
+    ranks return None. ``dtype`` casts before broadcasting (the engine's dtype, e.g.
+    bfloat16); ``checksum_device`` is the hash the engines use (``cuda`` on GPU servers).
+    Pause or drain the engines first. Raises BackendError when an engine refuses a step
+    or reports checksums that differ from the broadcast tensors', ValueError for an
+    incompatible model.
+    """
+    layout = trainer.layout
+    if layout is None:
+        raise BackendError(f"rank {trainer.rank} holds no part of the trainer")
+    root = layout.ranks[0] if root is None else root
+    check_hf_compatible(trainer.model_config)
+    began = time.perf_counter()
+    full = await asyncio.to_thread(trainer.gather, root)
+    gather_s = time.perf_counter() - began
+    if trainer.rank != root:
+        return None
+    # Gloo broadcasts host memory; NCCL device memory (push_weights moves each bucket).
+    device = "cpu" if config.backend == "gloo" else None
+    hf = {
+        name: t.to(device=device, dtype=dtype).contiguous()
+        for name, t in to_hf(full, trainer.model_config).items()
+    }
+    tp_sizes = list(engine_tp_sizes) if engine_tp_sizes is not None else [1] * len(clients)
+    plan = plan_weight_sync(hf, engine_tp_sizes=tp_sizes, max_bucket_bytes=config.max_bucket_bytes)
+
+    async def push() -> float:
+        began = time.perf_counter()
+        await push_weights(clients, hf, plan, config)
+        return time.perf_counter() - began
+
+    # The expected checksums depend only on the tensors: hash them while they travel. Both
+    # run to completion; a failed push is raised first (hashing cannot be interrupted).
+    pushed, expected = await asyncio.gather(
+        push(),
+        asyncio.to_thread(_expected, hf, tp_sizes, trainer.model_config, checksum_device),
+        return_exceptions=True,
+    )
+    for outcome in (pushed, expected):
+        if isinstance(outcome, BaseException):
+            raise outcome
+    assert isinstance(pushed, float) and isinstance(expected, list)
+    began = time.perf_counter()
+    checksums = await _verify(clients, expected)
+    report = SyncReport(
+        num_tensors=len(hf),
+        num_bytes=sum(t.numel() * t.element_size() for t in hf.values()),
+        num_buckets=len(plan.buckets),
+        gather_s=gather_s,
+        push_s=pushed,
+        verify_s=time.perf_counter() - began,
+        per_engine_checksums=checksums,
+    )
+    logger.info(
+        "weight sync: %d tensors, %d bytes, %d buckets to %d engines, verified",
+        report.num_tensors,
+        report.num_bytes,
+        report.num_buckets,
+        len(clients),
+    )
+    return report
+
+
+def _expected(
+    hf: Mapping[str, torch.Tensor],
+    tp_sizes: Sequence[int],
+    model: GPTModelConfig,
+    device: HashDevice,
+) -> list[ExpectedChecksums]:
+    """What each engine's ``/weights_checker`` must report (one computation per TP size)."""
+    by_tp = {
+        tp: expected_checksums(
+            hf, tp_size=tp, num_key_value_heads=model.query_groups, device=device
+        )
+        for tp in sorted(set(tp_sizes))
+    }
+    return [by_tp[tp] for tp in tp_sizes]
+
+
+async def _verify(
+    clients: Sequence[SGLangClient], expected: Sequence[ExpectedChecksums]
+) -> tuple[str, ...]:
+    replies = await asyncio.gather(*(client.weights_checksum() for client in clients))
+    out = []
+    for index, (reply, want) in enumerate(zip(replies, expected, strict=True)):
+        bad = checksum_mismatches(reply, want)
+        if bad or reply.per_engine_checksum != want.per_engine:
+            raise BackendError(f"engine {index}: weights differ after the sync in {bad[:5]}")
+        out.append(want.per_engine)
+    return tuple(out)

@@ -1,0 +1,423 @@
+"""An async HTTP client for one SGLang 0.5.23 server's native API.
+
+Every call has a deadline. Retries are bounded and limited to what cannot do harm:
+
+- a call that failed to *connect* (the request never reached the server) is retried,
+  whatever the endpoint;
+- a call whose connection broke, that timed out, or that got 502/503/504 is retried only if
+  the endpoint is idempotent: ``/health``, ``/model_info``, ``/v1/loads``,
+  ``/weights_checker``, ``/abort_request``, ``/pause_generation``, ``/continue_generation``
+  and ``/flush_cache``. ``/generate`` (would run twice), memory release/resume (resume twice
+  is an error), weight-update group and session calls and ``/update_weights_from_distributed``
+  (its broadcast must pair with the trainer's) are never retried past a connection.
+
+HTTP errors and unreadable replies raise :class:`~dynarl.errors.BackendError`; the weight
+endpoints' ``{"success": false}`` replies come back as :class:`ControlResult` for the caller
+to judge. Runs on the caller's event loop; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+import msgspec
+
+from dynarl.backends.sglang._http_wire import (
+    MEMORY_TAGS,
+    ChecksumReply,
+    ControlResult,
+    GenerateRequest,
+    GenerateResult,
+    LoadsReply,
+    PauseMode,
+    decode_generate_result,
+)
+from dynarl.errors import BackendError
+
+__all__ = ["ClientConfig", "SGLangClient"]
+
+logger = logging.getLogger(__name__)
+
+_RETRY_STATUSES = frozenset({502, 503, 504})
+_Method = Literal["GET", "POST"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClientConfig:
+    """How a :class:`SGLangClient` reaches its server."""
+
+    base_url: str
+    """Server root, e.g. ``http://127.0.0.1:30000``."""
+    api_key: str | None = None
+    """``--api-key`` of the server: sent on normal endpoints (and admin ones without an
+    admin key)."""
+    admin_api_key: str | None = None
+    """``--admin-api-key`` of the server: sent on admin endpoints when set."""
+    connect_timeout_s: float = 5.0
+    """Deadline for opening a connection."""
+    timeout_s: float = 30.0
+    """Deadline for a control call (everything but generate and weight updates)."""
+    generate_timeout_s: float = 3600.0
+    """Deadline for one generate call (a long rollout can take many minutes)."""
+    weight_update_timeout_s: float = 1800.0
+    """Deadline for weight-update group and broadcast calls."""
+    num_attempts: int = 3
+    """Attempts per call, counting the first (see the module docstring for which retry)."""
+    backoff_s: float = 0.05
+    """First retry delay; doubles per attempt."""
+    max_backoff_s: float = 1.0
+    """Cap on the retry delay."""
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+        for name in (
+            "connect_timeout_s",
+            "timeout_s",
+            "generate_timeout_s",
+            "weight_update_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ClientConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attempts < 1:
+            raise ValueError(f"ClientConfig.num_attempts must be >= 1, got {self.num_attempts}")
+        if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError("ClientConfig needs 0 <= backoff_s <= max_backoff_s")
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    status: int
+    body: bytes
+
+
+class SGLangClient:
+    """Typed calls to one SGLang server; an async context manager (``aclose()`` on exit).
+
+    Runs on the event loop that first uses it.
+    """
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> SGLangClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(base_url=self.config.base_url.rstrip("/") + "/")
+        return self._session
+
+    def _headers(self, admin: bool) -> dict[str, str]:
+        key = self.config.admin_api_key if admin and self.config.admin_api_key else None
+        key = key or self.config.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    # ------------------------------------------------------------------ transport
+
+    async def _call(
+        self,
+        method: _Method,
+        path: str,
+        *,
+        body: object | None = None,
+        params: Mapping[str, str] | None = None,
+        admin: bool = False,
+        idempotent: bool = False,
+        timeout_s: float | None = None,
+        ok: Sequence[int] = (200,),
+    ) -> _Reply:
+        """One request with retries; raises BackendError unless the status is in ``ok``."""
+        timeout = aiohttp.ClientTimeout(
+            total=timeout_s or self.config.timeout_s, connect=self.config.connect_timeout_s
+        )
+        data = msgspec.json.encode(body) if body is not None else None
+        headers = self._headers(admin)
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        delay = self.config.backoff_s
+        for attempt in range(1, self.config.num_attempts + 1):
+            last = attempt == self.config.num_attempts
+            try:
+                async with self._http().request(
+                    method,
+                    path.lstrip("/"),
+                    data=data,
+                    params=params,
+                    headers=headers,
+                    timeout=timeout,
+                ) as response:
+                    reply = _Reply(response.status, await response.read())
+            except aiohttp.ClientConnectorError as exc:
+                if last:
+                    raise BackendError(f"{method} {path}: cannot connect: {exc}") from exc
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                if last or not idempotent:
+                    raise BackendError(f"{method} {path} failed: {exc!r}") from exc
+            else:
+                if reply.status in ok:
+                    return reply
+                if last or not idempotent or reply.status not in _RETRY_STATUSES:
+                    text = reply.body.decode(errors="replace")[:500]
+                    raise BackendError(f"{method} {path} -> HTTP {reply.status}: {text}")
+            logger.debug("retrying %s %s (attempt %d)", method, path, attempt + 1)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.config.max_backoff_s)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    @staticmethod
+    def _decode(reply: _Reply, kind: type[Any], what: str) -> Any:
+        try:
+            return msgspec.json.decode(reply.body, type=kind)
+        except msgspec.DecodeError as exc:
+            raise BackendError(f"{what}: unreadable reply {reply.body[:200]!r}: {exc}") from exc
+
+    # ------------------------------------------------------------------ health, info
+
+    async def health(self) -> bool:
+        """Whether ``/health`` answers 200 (503 while starting or shutting down)."""
+        reply = await self._call("GET", "/health", idempotent=True, ok=(200, 503))
+        return reply.status == 200
+
+    async def model_info(self) -> dict[str, Any]:
+        """``/model_info``: model path, ``weight_version`` and friends."""
+        reply = await self._call("GET", "/model_info", idempotent=True)
+        info: dict[str, Any] = self._decode(reply, dict, "/model_info")
+        return info
+
+    async def loads(self, include: str | None = None) -> LoadsReply:
+        """``/v1/loads``: one load snapshot per DP rank."""
+        params = {"include": include} if include else None
+        reply = await self._call("GET", "/v1/loads", params=params, idempotent=True)
+        loads: LoadsReply = self._decode(reply, LoadsReply, "/v1/loads")
+        return loads
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Run one request to completion (or abort: the result then holds the partial output).
+
+        Never retried once connected. Raises BackendError on HTTP errors (400: refused).
+        """
+        body = msgspec.to_builtins(request)
+        reply = await self._call(
+            "POST", "/generate", body=body, timeout_s=self.config.generate_timeout_s
+        )
+        try:
+            return decode_generate_result(reply.body, request.rid)
+        except msgspec.DecodeError as exc:
+            raise BackendError(f"/generate {request.rid}: unreadable reply: {exc}") from exc
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateResult]:
+        """Stream one request: cumulative results, the last one finished (or aborted).
+
+        Raises BackendError on HTTP errors and on an ``{"error": ...}`` event.
+        """
+        body = msgspec.to_builtins(request) | {"stream": True}
+        timeout = aiohttp.ClientTimeout(
+            total=self.config.generate_timeout_s, connect=self.config.connect_timeout_s
+        )
+        headers = self._headers(False) | {"Content-Type": "application/json"}
+        try:
+            async with self._http().post(
+                "generate", data=msgspec.json.encode(body), headers=headers, timeout=timeout
+            ) as response:
+                if response.status != 200:
+                    text = (await response.read()).decode(errors="replace")[:500]
+                    raise BackendError(f"/generate {request.rid} -> HTTP {response.status}: {text}")
+                async for result in _sse_results(response.content, request.rid):
+                    yield result
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise BackendError(f"/generate {request.rid} stream failed: {exc!r}") from exc
+
+    async def abort(self, rid: str) -> None:
+        """Abort one request (SGLang aborts every in-flight rid starting with ``rid``)."""
+        if not rid:
+            raise ValueError("abort needs a non-empty rid (use abort_all)")
+        await self._call("POST", "/abort_request", body={"rid": rid}, admin=True, idempotent=True)
+
+    async def abort_all(self) -> None:
+        """Abort every running and waiting request; their callers get partial outputs."""
+        await self._call(
+            "POST", "/abort_request", body={"abort_all": True}, admin=True, idempotent=True
+        )
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """``/pause_generation``; new requests wait at the server until continue."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"unknown pause mode {mode!r}")
+        await self._call(
+            "POST", "/pause_generation", body={"mode": mode}, admin=True, idempotent=True
+        )
+
+    async def continue_generation(self, *, torch_empty_cache: bool = True) -> None:
+        """``/continue_generation``: resume after a pause."""
+        body = {} if torch_empty_cache else {"torch_empty_cache": False}
+        await self._call("POST", "/continue_generation", body=body, admin=True, idempotent=True)
+
+    async def flush_cache(self, timeout_s: float = 0.0) -> ControlResult:
+        """Flush the radix cache; refused (success False) while requests run or wait.
+
+        ``timeout_s`` > 0 makes the server wait that long for idleness first.
+        """
+        reply = await self._call(
+            "POST",
+            "/flush_cache",
+            params={"timeout": repr(float(timeout_s))},
+            admin=True,
+            idempotent=True,
+            timeout_s=self.config.timeout_s + timeout_s,
+            ok=(200, 400),
+        )
+        return ControlResult(success=reply.status == 200, message=reply.body.decode().strip())
+
+    # ------------------------------------------------------------------ memory
+
+    async def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Release GPU memory by tag (None: all). The server must be idle (it asserts)."""
+        await self._call(
+            "POST", "/release_memory_occupation", body={"tags": _tags(tags)}, admin=True
+        )
+
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take back GPU memory released under ``tags`` (None: all)."""
+        await self._call(
+            "POST", "/resume_memory_occupation", body={"tags": _tags(tags)}, admin=True
+        )
+
+    # ------------------------------------------------------------------ weights
+
+    async def _control(self, path: str, body: dict[str, Any], timeout_s: float) -> ControlResult:
+        reply = await self._call(
+            "POST", path, body=body, admin=True, timeout_s=timeout_s, ok=(200, 400)
+        )
+        result: ControlResult = self._decode(reply, ControlResult, path)
+        return result
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> ControlResult:
+        """Make the server join the trainer's broadcast group (blocks until all joined)."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._control(
+            "/init_weights_update_group", body, self.config.weight_update_timeout_s
+        )
+
+    async def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> ControlResult:
+        """Leave and destroy the broadcast group."""
+        return await self._control(
+            "/destroy_weights_update_group", {"group_name": group_name}, self.config.timeout_s
+        )
+
+    async def begin_weight_update(self, selector: str = "all") -> ControlResult:
+        """Open a weight-update session (updates outside one are refused)."""
+        body = {} if selector == "all" else {"selector": selector}
+        return await self._control("/begin_weight_update", body, self.config.timeout_s)
+
+    async def end_weight_update(self) -> ControlResult:
+        """Close the weight-update session."""
+        return await self._control("/end_weight_update", {}, self.config.timeout_s)
+
+    async def update_weights_from_distributed(
+        self,
+        *,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group",
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> ControlResult:
+        """Receive one broadcast (one flattened bucket with ``load_format="flattened_bucket"``).
+
+        Returns when the server has received and loaded it, so the trainer's matching
+        broadcast must run concurrently.
+        """
+        body: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(shape) for shape in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self._control(
+            "/update_weights_from_distributed", body, self.config.weight_update_timeout_s
+        )
+
+    async def weights_checksum(self, skip_tensor_list: Sequence[str] = ()) -> ChecksumReply:
+        """``/weights_checker`` with ``action="checksum"``: per-rank parameter hashes."""
+        body: dict[str, Any] = {"action": "checksum"}
+        if skip_tensor_list:
+            body["skip_tensor_list"] = list(skip_tensor_list)
+        reply = await self._call(
+            "POST",
+            "/weights_checker",
+            body=body,
+            admin=True,
+            idempotent=True,
+            timeout_s=self.config.weight_update_timeout_s,
+            ok=(200, 400),
+        )
+        checksums: ChecksumReply = self._decode(reply, ChecksumReply, "/weights_checker")
+        return checksums
+
+
+def _tags(tags: Sequence[str] | None) -> list[str] | None:
+    if tags is None:
+        return None
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise ValueError(f"unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}")
+    return list(tags)
+
+
+async def _sse_results(content: aiohttp.StreamReader, rid: str) -> AsyncIterator[GenerateResult]:
+    """Parse ``data: {...}`` events until ``data: [DONE]``."""
+    async for raw in content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return
+        event = msgspec.json.decode(payload)
+        if isinstance(event, dict) and "error" in event:
+            raise BackendError(f"/generate {rid} stream error: {event['error']}")
+        yield decode_generate_result(event, rid)
+    raise BackendError(f"/generate {rid}: stream ended without [DONE]")

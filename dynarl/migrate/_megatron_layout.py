@@ -1,0 +1,287 @@
+"""Megatron-core models as layouts: introspection, process groups, and the globals swap.
+
+The one module of :mod:`dynarl.migrate` that knows Megatron. It never imports Megatron at
+module level (the caller imports it, after the CPU shim where needed); functions that need
+Megatron import it lazily.
+
+- :func:`param_specs` reads a model chunk (``GPTModel`` or any module of Megatron TP
+  layers) into :class:`ParamSpec` s: global names (transformer layers renumbered from
+  ``layer_number``), full shapes, TP partition dimension and stride, pipeline placement.
+  Expert parameters are refused (``ValueError`` naming expert parallelism).
+- :func:`process_group_collection` turns this rank's :class:`LayoutGroups` into the
+  ``ProcessGroupCollection`` that ``GPTModel(pg_collection=...)`` takes, so every layout
+  lives on its own groups and ``initialize_model_parallel`` is never called per layout.
+- :func:`install_parallel_state` swaps the module-level groups Megatron still reads
+  (``tensor_parallel.vocab_parallel_cross_entropy`` and the RNG tracker read the global
+  tensor-parallel group) at commit, and returns what it replaced for a rollback.
+- :func:`state_tensors` names a model's parameters and its ``torch.optim.Adam`` state the
+  way a layout does; :func:`sharded_state_dict_mismatches` cross-checks a layout's
+  parameter shards against the model's own ``sharded_state_dict()``.
+
+Runs on each trainer rank.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from dynarl.migrate._groups import LayoutGroups
+from dynarl.migrate._layout import Layout, ParamSpec, Stage, state_tensor
+
+__all__ = [
+    "install_parallel_state",
+    "merge_stage_specs",
+    "param_names",
+    "param_specs",
+    "process_group_collection",
+    "restore_parallel_state",
+    "sharded_state_dict_mismatches",
+    "state_tensors",
+]
+
+_LAYER = re.compile(r"^(?P<stack>.*\blayers)\.(?P<index>\d+)\.(?P<rest>.*)$")
+
+
+def param_names(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """``(local name, global name, parameter)`` for every trainable parameter, in order.
+
+    The global name replaces a local transformer-layer index with ``layer_number - 1``.
+    """
+    modules = dict(model.named_modules())
+    for local, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        match = _LAYER.match(local)
+        if match is None:
+            yield local, local, param
+            continue
+        layer = modules[f"{match['stack']}.{match['index']}"]
+        number = int(getattr(layer, "layer_number", int(match["index"]) + 1)) - 1
+        yield local, f"{match['stack']}.{number}.{match['rest']}", param
+
+
+def param_specs(model: torch.nn.Module, *, tp: int) -> list[ParamSpec]:
+    """Describe every trainable parameter of a model chunk built with TP size ``tp``.
+
+    Raises ValueError naming expert parallelism for expert parameters (``allreduce`` off),
+    and naming the parameter when a Megatron TP layer's weight lacks its tensor-parallel
+    attributes: with ``use_cpu_initialization`` and ``perform_initialization=False``
+    Megatron 0.16.1 never sets them, so describe the model from an initialised instance
+    (the description holds for every layout).
+    """
+    _check_tp_attributes(model)
+    out = []
+    for _, name, param in param_names(model):
+        if not getattr(param, "allreduce", True):
+            raise ValueError(f"expert_parallel: parameter {name!r} is an expert parameter")
+        split = bool(getattr(param, "tensor_model_parallel", False))
+        dim = int(param.partition_dim) if split else None  # type: ignore[attr-defined]
+        shape = list(param.shape)
+        if dim is not None:
+            shape[dim] *= tp
+        match = _LAYER.match(name)
+        if match is not None:
+            stage, layer = Stage.LAYER, int(match["index"])
+        else:
+            stage, layer = (Stage.FIRST if name.startswith("embedding") else Stage.LAST), None
+        out.append(
+            ParamSpec(
+                name=name,
+                shape=tuple(shape),
+                tp_dim=dim,
+                tp_stride=int(getattr(param, "partition_stride", 1)) if split else 1,
+                stage=stage,
+                layer=layer,
+                shared_embedding=bool(getattr(param, "shared_embedding", False)),
+            )
+        )
+    return out
+
+
+def _check_tp_attributes(model: torch.nn.Module) -> None:
+    from megatron.core.tensor_parallel import layers
+
+    kinds = (layers.ColumnParallelLinear, layers.RowParallelLinear, layers.VocabParallelEmbedding)
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, kinds) and weight is not None:
+            if not hasattr(weight, "tensor_model_parallel"):
+                raise ValueError(
+                    f"{name}.weight has no tensor-parallel attributes (built with "
+                    "perform_initialization=False?); describe an initialised model instead"
+                )
+
+
+def merge_stage_specs(stages: Sequence[Sequence[ParamSpec]]) -> list[ParamSpec]:
+    """Join per-stage descriptions (stage order) into the whole model's, first seen kept."""
+    seen: dict[str, ParamSpec] = {}
+    for specs in stages:
+        for spec in specs:
+            seen.setdefault(spec.name, spec)
+    return list(seen.values())
+
+
+def process_group_collection(groups: LayoutGroups) -> Any:
+    """A Megatron ``ProcessGroupCollection`` over this rank's layout groups."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    g = {kind: group.pg for kind, group in groups.groups.items()}
+    return ProcessGroupCollection(
+        tp=g["tp"],
+        pp=g["pp"],
+        mp=g["mp"],
+        cp=g["cp"],
+        tp_cp=g["tp"],
+        embd=g.get("embd"),
+        pos_embd=g.get("pos_embd"),
+        dp=g["dp"],
+        dp_cp=g["dp"],
+        intra_dp_cp=g["dp"],
+        # No expert parallelism: the expert groups are this rank alone (Megatron's DDP
+        # would otherwise create one with a world-wide new_group).
+        ep=g["cp"],
+        expt_dp=g["cp"],
+        intra_expt_dp=g["cp"],
+    )
+
+
+# Module-level names of megatron.core.parallel_state that a layout defines on this rank,
+# mapped to the LayoutGroups kind they take (a suffix _RANKS takes the ranks instead).
+_GLOBALS = {
+    "_TENSOR_MODEL_PARALLEL_GROUP": "tp",
+    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tp",
+    "_PIPELINE_MODEL_PARALLEL_GROUP": "pp",
+    "_PIPELINE_GLOBAL_RANKS": "pp",
+    "_MODEL_PARALLEL_GROUP": "mp",
+    "_MODEL_PARALLEL_GLOBAL_RANKS": "mp",
+    "_DATA_PARALLEL_GROUP": "dp",
+    "_DATA_PARALLEL_GLOBAL_RANKS": "dp",
+    "_DATA_PARALLEL_GROUP_WITH_CP": "dp",
+    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": "dp",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": "dp",
+    "_CONTEXT_PARALLEL_GROUP": "cp",
+    "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp",
+    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp",
+    "_EMBEDDING_GROUP": "embd",
+    "_EMBEDDING_GLOBAL_RANKS": "embd",
+    "_POSITION_EMBEDDING_GROUP": "pos_embd",
+    "_POSITION_EMBEDDING_GLOBAL_RANKS": "pos_embd",
+    # No expert parallelism: expert-parallel groups are this rank alone, expert TP is TP
+    # and expert DP is DP (Megatron's defaults with ep = 1); the RNG seeding reads them.
+    "_EXPERT_MODEL_PARALLEL_GROUP": "cp",
+    "_EXPERT_TENSOR_PARALLEL_GROUP": "tp",
+    "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tp",
+    "_EXPERT_DATA_PARALLEL_GROUP": "dp",
+}
+_OVERRIDES = (
+    "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
+    "_MPU_TENSOR_MODEL_PARALLEL_RANK",
+    "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE",
+    "_MPU_PIPELINE_MODEL_PARALLEL_RANK",
+    "_MPU_DATA_PARALLEL_WORLD_SIZE",
+    "_MPU_DATA_PARALLEL_RANK",
+    "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE",
+    "_MPU_EXPERT_MODEL_PARALLEL_RANK",
+    "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE",
+    "_MPU_EXPERT_TENSOR_PARALLEL_RANK",
+)
+
+
+def install_parallel_state(groups: LayoutGroups | None) -> dict[str, Any]:
+    """Point Megatron's process-wide parallel state at ``groups`` (None: clear it).
+
+    Call it at commit, never earlier: until then the old layout keeps training on the old
+    globals. Returns the previous values for :func:`restore_parallel_state`.
+    """
+    from megatron.core import parallel_state
+
+    previous = {name: getattr(parallel_state, name) for name in (*_GLOBALS, *_OVERRIDES)}
+    for name, kind in _GLOBALS.items():
+        group = groups.groups.get(kind) if groups is not None else None
+        if group is None:
+            value: Any = None
+        elif name.endswith("_RANKS"):
+            value = list(group.ranks)
+        else:
+            value = group.pg
+        setattr(parallel_state, name, value)
+    for name in _OVERRIDES:
+        setattr(parallel_state, name, None)
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # layout-independent scratch memory
+        parallel_state._set_global_memory_buffer()
+    return previous
+
+
+def restore_parallel_state(previous: dict[str, Any]) -> None:
+    """Undo :func:`install_parallel_state`."""
+    from megatron.core import parallel_state
+
+    for name, value in previous.items():
+        setattr(parallel_state, name, value)
+
+
+def state_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, init_state: bool = False
+) -> dict[str, torch.Tensor]:
+    """This rank's local tensors under layout names: parameters, and ``torch.optim.Adam``
+    state (``exp_avg``, ``exp_avg_sq``, ``step``) when ``optimizer`` is given.
+
+    ``init_state`` creates zero state for parameters that have none yet (a freshly built
+    destination), so that a reshard can write into it. Raises ValueError when a parameter
+    has no state and ``init_state`` is False.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for _, name, param in param_names(model):
+        out[name] = param.data
+        if optimizer is None:
+            continue
+        state = optimizer.state[param]
+        if not state:
+            if not init_state:
+                raise ValueError(f"parameter {name!r} has no optimizer state yet")
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            out[state_tensor(name, key)] = state[key]
+    return out
+
+
+def sharded_state_dict_mismatches(
+    model: Any, layout: Layout, rank: int, *, metadata: dict[str, Any] | None = None
+) -> list[str]:
+    """Where the layout's parameter shards on ``rank`` disagree with ``model``'s own
+    ``sharded_state_dict()`` (global shape, offset, local shape per ShardedTensor).
+
+    Returns human-readable differences; empty when they agree. The model's TP parameters
+    must be split with stride 1 (Megatron's state dict cannot express strided splits).
+    ``metadata`` is passed to ``sharded_state_dict`` (``{"dp_cp_group": ...}`` checks a
+    model whose groups are not installed in Megatron's globals).
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    specs = layout.tensor_map()
+    mine = {p.shard.tensor: p.shard.region for p in layout.placements_on(rank)}
+    names = {local: name for local, name, _ in param_names(model)}
+    problems = []
+    for local, item in model.sharded_state_dict(metadata=metadata).items():
+        if not isinstance(item, ShardedTensor) or local not in names:
+            continue
+        name, lead = names[local], item.prepend_axis_num
+        region = mine.get(name)
+        if region is None:
+            problems.append(f"{name}: in the model's state dict, not in the layout on rank {rank}")
+            continue
+        got = (
+            tuple(item.global_shape[lead:]),
+            tuple(item.global_offset[lead:]),
+            tuple(item.local_shape),
+        )
+        want = (specs[name].shape, region.offsets, region.sizes)
+        if got != want:
+            problems.append(f"{name}: megatron (shape, offset, local) {got} != layout {want}")
+    return problems

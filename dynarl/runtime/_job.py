@@ -1,0 +1,402 @@
+"""``dynarl.Job``: dynarl embedded in the user's own RL loop.
+
+::
+
+    async with dynarl.Job([ComponentSpec(role=MyRollout, devices=(0, 1)),
+                           ComponentSpec(role=MyTrainer, devices=(2,))]) as job:
+        job.submit("rollout", requests)              # routed, served, re-dispatched on moves
+        samples = job.output("rollout")               # a Channel of finished Samples
+        batch = [await samples.get() for _ in requests]
+        await job.call("trainer", "train_step", batch)   # on every trainer rank, SPMD
+        print(job.allocation, len(job.ledger))
+
+Entering starts the controller in this process (on this event loop) and one worker process
+per device through the :class:`~dynarl.runtime.launch._local.LocalLauncher`, waits for them to
+register, and activates every component on its initial devices; the scheduler then runs
+beside the user's code and moves devices when a component is over-provisioned. Leaving
+tells the workers to go and stops every process the job started. The user's loop keeps
+control throughout: nothing here blocks the loop. Runs on the user's event loop.
+
+While the workers start, the job reads the pipeline graph from the modules that define its
+roles and checks it against the declared components
+(:mod:`dynarl.runtime._graph_check`): each finding, a role the code sends to that the job
+does not declare or a declared component no channel of the code reaches, is logged as a
+warning and recorded in the ledger as a
+:class:`~dynarl.sched.GraphFindingRecord`. Never an error: unparsable modules and dynamic
+sends are skipped.
+
+With ``JobConfig.durable`` the job keeps its allocation journal at ``run_dir/journal``:
+started again on the same run directory it recovers the last committed allocation (a
+migration caught in flight is journalled as rolled back: the new workers hold nothing
+of it) and starts every component there; :class:`~dynarl.runtime.DurableRun`
+adds checkpoints, the sample stream and the sample manifest. :meth:`Job.respawn`
+starts again worker processes that died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import TracebackType
+
+from dynarl.bus import Channel, MetaValue, Sample
+from dynarl.errors import WorkerError
+from dynarl.runtime._faults import FaultInjector
+from dynarl.runtime._graph_check import GraphCheck, check_roles
+from dynarl.runtime._spec import ComponentSpec, RuntimeConfig
+from dynarl.runtime._worker_protocol import CallResult
+from dynarl.runtime.controller import (
+    AllocationJournal,
+    Controller,
+    Item,
+    MetricsExporter,
+    worker_name,
+)
+from dynarl.runtime.durable import Journal
+from dynarl.runtime.launch import LocalLauncher
+from dynarl.runtime.worker import WorkerOptions
+from dynarl.sched import (
+    DeviceMove,
+    Ledger,
+    MigrationCommand,
+    MoveOutcome,
+    OperatorCommand,
+    Scheduler,
+    ThroughputPredictor,
+)
+from dynarl.types import Allocation
+
+__all__ = ["Job", "JobConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobConfig:
+    """How a job starts on this machine."""
+
+    num_devices: int | None = None
+    """Worker processes (devices) to start; None: one past the highest device named."""
+    run_dir: str | None = None
+    """Directory for the ledger, worker logs and checkpoints (None: a new temporary one)."""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """The controller's settings."""
+    python: str = sys.executable
+    """Interpreter of the worker processes."""
+    worker_env: Mapping[str, str] | None = None
+    """Environment of the worker processes (None: this process's)."""
+    durable: bool = False
+    """Keep the allocation journal at ``run_dir/journal`` and start from the allocation
+    it holds (a restarted job needs the same ``run_dir``)."""
+
+    def __post_init__(self) -> None:
+        if self.num_devices is not None and self.num_devices < 1:
+            raise ValueError(f"JobConfig.num_devices must be >= 1, got {self.num_devices}")
+
+
+class Job:
+    """A dynarl job embedded in the caller's event loop (see the module docstring).
+
+    ``predictor`` replaces the scheduler's default throughput predictor (a
+    :class:`~dynarl.sched.RegressionPredictor` over the components' profiles). Raises
+    ValueError for bad component specs; entering raises WorkerError when a worker process
+    dies during start-up and TimeoutError when they do not all register in time.
+    """
+
+    def __init__(
+        self,
+        components: Sequence[ComponentSpec],
+        config: JobConfig | None = None,
+        *,
+        journal: AllocationJournal | None = None,
+        predictor: ThroughputPredictor | None = None,
+    ) -> None:
+        if not components:
+            raise ValueError("a job needs at least one component")
+        self.config = config or JobConfig()
+        held = [d for spec in components for d in spec.devices]
+        self.num_devices = self.config.num_devices or (max(held) + 1 if held else 1)
+        self.run_dir = Path(self.config.run_dir or tempfile.mkdtemp(prefix="dynarl-job-"))
+        self.journal: Journal | None = None
+        """The allocation journal (``durable`` jobs)."""
+        if self.config.durable and journal is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.journal = journal = Journal(self.run_dir / "journal", job="dynarl")
+            components = _recovered(components, self.journal)
+        self._controller = Controller(
+            components,
+            num_devices=self.num_devices,
+            run_dir=self.run_dir,
+            config=self.config.runtime,
+            kill=self._kill,
+            journal=journal,
+            predictor=predictor,
+        )
+        self._launcher = LocalLauncher(
+            python=self.config.python,
+            env=self.config.worker_env,
+            log_dir=self.run_dir / "workers",
+        )
+        self._modules = tuple(sorted({spec.role.__module__ for spec in components}))
+        self._ids = itertools.count(1)
+        self._iteration = 0
+        self._open = False
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def __aenter__(self) -> Job:
+        await self._controller.__aenter__()
+        self._open = True
+        try:
+            devices = range(self.num_devices)
+            for device in devices:
+                self._launcher.spawn(self._options(device))
+            specs = list(self._controller.specs.values())
+            self._report_graph(await asyncio.to_thread(check_roles, specs))
+            await self._controller.wait_for_workers(devices, alive=self._check_alive)
+            await self._controller.start_roles()
+        except BaseException:
+            await self.aclose()
+            raise
+        logger.info("job started: %d workers, run directory %s", self.num_devices, self.run_dir)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Tell every worker to leave, stop the controller, stop every process started."""
+        if not self._open:
+            return
+        self._open = False
+        try:
+            await self._controller.aclose()
+        finally:
+            await self._launcher.stop()
+            if self.journal is not None:
+                self.journal.close()
+
+    async def respawn(self) -> tuple[int, ...]:
+        """Start again every worker process of this job that died, and wait until each
+        has registered; returns their devices. They host no role yet.
+
+        Raises WorkerError if one dies again while starting, TimeoutError after
+        ``RuntimeConfig.start_timeout_s``.
+        """
+        dead = tuple(d for d in range(self.num_devices) if self._launcher.returncode(d) is not None)
+        if not dead:
+            return ()
+        server = self._controller.server
+        before = {d: server.peer(worker_name(d)) for d in dead}
+        logger.warning("respawning the workers of devices %s", list(dead))
+        for device in dead:
+            self._launcher.spawn(self._options(device))
+        async with asyncio.timeout(self.config.runtime.start_timeout_s):
+            while True:
+                self._check_alive()
+                now = {d: server.peer(worker_name(d)) for d in dead}
+                if all(now[d] is not None and now[d] is not before[d] for d in dead):
+                    return dead
+                await asyncio.sleep(0.05)
+
+    def _report_graph(self, check: GraphCheck) -> None:
+        """Log each finding of the start-up graph check once and record it in the ledger."""
+        now = self._controller.scheduler.clock.now()
+        for number, finding in enumerate(check.findings, 1):
+            logger.warning("graph check: %s", finding)
+            self.ledger.append(finding.record(f"g{number:06d}", now))
+        if check.skipped:
+            logger.info("graph check: role modules not read: %s", "; ".join(check.skipped))
+        if check.num_unresolved:
+            logger.info(
+                "graph check: %d sites of the role code not resolved, not judged",
+                check.num_unresolved,
+            )
+
+    def _options(self, device: int) -> WorkerOptions:
+        runtime = self.config.runtime
+        return WorkerOptions(
+            controller=self._controller.address,
+            device=device,
+            store_port=self._controller.store_port,
+            store_timeout_s=runtime.collective_timeout_s,
+            metrics_interval_s=runtime.metrics_interval_s,
+            collective_timeout_s=runtime.collective_timeout_s,
+            preload=self._modules,
+        )
+
+    def _check_alive(self) -> None:
+        for device in range(self.num_devices):
+            code = self._launcher.returncode(device)
+            if code is not None:
+                log = self.run_dir / "workers" / f"worker-{device}.log"
+                raise WorkerError(f"worker {device} exited with status {code} (see {log})")
+
+    def _kill(self, device: int) -> None:
+        self._launcher.kill(device)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def allocation(self) -> Allocation:
+        """The allocation in force."""
+        return self._controller.allocation
+
+    @property
+    def ledger(self) -> Ledger:
+        """Every decision and migration record (also in ``run_dir/events.jsonl``)."""
+        return self._controller.ledger
+
+    @property
+    def metrics(self) -> MetricsExporter | None:
+        """The Prometheus endpoint (``RuntimeConfig.metrics_port``), or None; feed it the
+        ``dynamic_resource/*`` metrics with ``record_cycle``."""
+        return self._controller.metrics
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler (read its decisions; steer it with :meth:`operator`)."""
+        return self._controller.scheduler
+
+    @property
+    def faults(self) -> FaultInjector:
+        """Arm faults at named migration phases (tests)."""
+        return self._controller.faults
+
+    @property
+    def controller(self) -> Controller:
+        """The controller (managers, link, coordinator), for tools and tests."""
+        return self._controller
+
+    def workers(self) -> dict[int, int]:
+        """``{device: pid}`` of the worker processes still running."""
+        return self._launcher.pids()
+
+    # ------------------------------------------------------------------ data and calls
+
+    def channel(self, name: str, *, capacity: int | None = None) -> Channel[Sample]:
+        """The ``Sample`` channel ``name`` of this job (hosted by the controller)."""
+        return self._controller.channel(name, capacity=capacity)
+
+    def output(self, component: str) -> Channel[Sample]:
+        """The channel a serving component puts its finished samples into."""
+        spec = self._controller.manager(component).spec
+        return self.channel(spec.output_channel)
+
+    def submit(self, component: str, items: Sequence[Item]) -> None:
+        """Hand ``items`` to a serving component; each finished sample comes out of
+        :meth:`output` exactly once, whatever moves happen meanwhile.
+
+        Raises ValueError for a component that does not serve, or an id already submitted.
+        """
+        dispatcher = self._controller.manager(component).dispatcher
+        if dispatcher is None:
+            raise ValueError(f"component {component!r} does not serve items")
+        dispatcher.submit(items)
+
+    async def call(
+        self,
+        component: str,
+        method: str,
+        samples: Sequence[Sample] = (),
+        *,
+        deadline_s: float | None = None,
+        **options: MetaValue,
+    ) -> list[CallResult]:
+        """Run ``method(samples, **options)`` on every worker of ``component`` at once
+        (SPMD: a trainer step, a checksum, a weight sync); results by device.
+
+        Waits for a migration of the component in progress to end. Raises RemoteError
+        when a worker's method fails, DeadlineExceeded after ``deadline_s`` (default
+        ``RuntimeConfig.request_timeout_s``), ValueError for an unknown component.
+        """
+        manager = self._controller.manager(component)
+        return await manager.call(method, samples, dict(options), deadline_s=deadline_s)
+
+    def set_remaining(self, component: str, items: int | None) -> None:
+        """Tell the scheduler how many items ``component`` still has to process in this
+        iteration (None: its workers' and dispatcher's own figures)."""
+        self._controller.manager(component).remaining = items
+
+    def new_iteration(self) -> int:
+        """Mark an iteration boundary (completed counts start over); the new number."""
+        self._iteration += 1
+        for manager in self._controller.managers.values():
+            manager.new_iteration(self._iteration)
+        return self._iteration
+
+    # ------------------------------------------------------------------ moves
+
+    async def move(
+        self, devices: Sequence[int], *, src: str, dst: str, lease_s: float | None = None
+    ) -> MoveOutcome:
+        """Move ``devices`` from ``src`` to ``dst`` now (an operator's move), each
+        migration under a lease of ``lease_s`` seconds (default: the configured one).
+
+        Returns its outcome (``ok`` False after a rollback); raises ValueError when
+        ``src`` does not hold the devices.
+        """
+        current = self.allocation
+        return await self.reallocate(current.move(devices, src, dst), lease_s=lease_s)
+
+    async def reallocate(
+        self,
+        allocation: Allocation | Mapping[str, Sequence[int]],
+        *,
+        lease_s: float | None = None,
+    ) -> MoveOutcome:
+        """Move to ``allocation`` now (every changed component migrates); its outcome."""
+        new = allocation if isinstance(allocation, Allocation) else Allocation.of(allocation)
+        old = self.allocation
+        moves = tuple(
+            DeviceMove(src=name, dst=None, devices=tuple(set(old.devices(name)) - set(devs)))
+            for name, devs in new.assignment
+            if set(old.devices(name)) - set(devs)
+        )
+        command = MigrationCommand(
+            decision_id=f"op{next(self._ids):06d}",
+            time=self._controller.scheduler.clock.now(),
+            old_allocation=old,
+            new_allocation=new,
+            moves=moves,
+        )
+        outcome = await self._controller.coordinator.execute(command, lease_s=lease_s)
+        # Not the scheduler's command: it takes the allocation as in force, ends no move of its own.
+        self._controller.post(replace(outcome, external=True))
+        return outcome
+
+    def operator(self, action: str, reason: str = "operator") -> None:
+        """Steer the scheduler: ``enter_safe_mode``, ``leave_safe_mode``, ``observe_only``
+        or ``act``."""
+        if action not in ("enter_safe_mode", "leave_safe_mode", "observe_only", "act"):
+            raise ValueError(f"unknown operator action {action!r}")
+        self._controller.post(OperatorCommand(action=action, reason=reason))  # type: ignore[arg-type]
+
+
+def _recovered(components: Sequence[ComponentSpec], journal: Journal) -> list[ComponentSpec]:
+    """``components`` on the allocation ``journal`` last committed (and a migration it
+    holds in flight journalled as rolled back)."""
+    state = journal.state
+    if state.in_flight is not None:
+        reason = "the controller restarted before its commit point"
+        journal.end_migration(state.in_flight.migration_id, "rolled_back", reason)
+        logger.warning(
+            "journal: migration %s rolled back (%s)", state.in_flight.migration_id, reason
+        )
+    if state.allocation is None:
+        return list(components)
+    allocation = state.allocation
+    logger.info("journal: recovered allocation %s (epoch %d)", allocation.as_dict(), state.epoch)
+    return [dataclasses.replace(s, devices=allocation.devices(s.name)) for s in components]

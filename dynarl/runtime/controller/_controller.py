@@ -1,0 +1,336 @@
+"""The controller: the job's TCPStore, bus, scheduler, coordinator, managers and ledger.
+
+One process (the driver locally, rank 0 under torchrun) hosts, on one event loop:
+
+- the job's **TCPStore** (workers build process groups over ``PrefixStore`` s of it);
+- the **bus server** workers register with (``worker/<device>``), which also hosts the
+  channel queues (serving components put their results there);
+- a **publisher** of reports, migration records and peer events;
+- one **group manager** per component, each with its own metrics endpoint;
+- the **scheduler** coroutine on the real monotonic clock, fed with the managers'
+  reports, ticks and move outcomes (whatever is queued, as one batch), writing every
+  decision to the **ledger**;
+- the **coordinator**, the scheduler's command sink, with a
+  :class:`~dynarl.runtime.controller.PlannerCost` injected into the scheduler;
+- when ``RuntimeConfig.metrics_port`` is set, the **Prometheus endpoint**
+  (:class:`~dynarl.runtime.controller.MetricsExporter`, loopback by default).
+
+Use as ``async with Controller(...) as controller``; workers are started by someone else
+(the local launcher, torchrun). Runs on the controller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from datetime import timedelta
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from dynarl.bus import (
+    BusConfig,
+    BusServer,
+    Channel,
+    ComponentReport,
+    CurveServer,
+    MigrationRecord,
+    PeerEvent,
+    Publisher,
+    Sample,
+)
+from dynarl.runtime._faults import FaultInjector
+from dynarl.runtime._spec import ComponentSpec, RuntimeConfig
+from dynarl.runtime._worker_protocol import Done, Shutdown
+from dynarl.runtime.controller._coordinator import Coordinator
+from dynarl.runtime.controller._durability import AllocationJournal
+from dynarl.runtime.controller._group_manager import GroupManager
+from dynarl.runtime.controller._link import WorkerLink
+from dynarl.runtime.controller._planner_cost import PlannerCost
+from dynarl.runtime.controller._prometheus import MetricsExporter, metrics_available
+from dynarl.sched import (
+    Ledger,
+    MonotonicClock,
+    RegressionPredictor,
+    Scheduler,
+    SchedulerEvent,
+    ThroughputPredictor,
+    Tick,
+    queued_batches,
+)
+from dynarl.types import Allocation
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+__all__ = ["Controller"]
+
+logger = logging.getLogger(__name__)
+
+
+class Controller:
+    """The job's controller (see the module docstring).
+
+    ``store``: the job's store when a launcher already holds one (torchrun), else the
+    controller hosts a TCPStore on loopback; ``bind`` and ``curve``: the bus server's
+    address and CURVE settings (required for a routable address); ``predictor``: the
+    scheduler's throughput predictor (None: a
+    :class:`~dynarl.sched.RegressionPredictor` over the components' profiles). Raises
+    ValueError for components with clashing names or devices.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[ComponentSpec],
+        *,
+        num_devices: int,
+        run_dir: Path,
+        config: RuntimeConfig | None = None,
+        kill: Callable[[int], None] | None = None,
+        journal: AllocationJournal | None = None,
+        store: Store | None = None,
+        bind: str = "tcp://127.0.0.1:0",
+        curve: CurveServer | None = None,
+        predictor: ThroughputPredictor | None = None,
+    ) -> None:
+        names = [spec.name for spec in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"component names must be unique, got {names}")
+        self.specs = {spec.name: spec for spec in specs}
+        self.config = config or RuntimeConfig()
+        self.run_dir = run_dir
+        initial = Allocation.of({spec.name: spec.devices for spec in specs})
+        held = {d for _, devs in initial.assignment for d in devs}
+        if held and max(held) >= num_devices:
+            raise ValueError(f"components use device {max(held)} of only {num_devices}")
+        self.num_devices = num_devices
+        self._initial = initial
+        self._kill, self._journal = kill, journal
+        self._given_store, self._bind, self._curve = store, bind, curve
+        self._predictor = predictor
+        self._events: asyncio.Queue[SchedulerEvent | None] = asyncio.Queue()
+        self._stop = asyncio.Event()
+        self._group: asyncio.TaskGroup | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.metrics: MetricsExporter | None = None
+        self.bus = BusConfig(
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            num_missed_heartbeats=self.config.num_missed_heartbeats,
+            default_timeout_s=self.config.request_timeout_s,
+            channel_capacity=self.config.channel_capacity,
+        )
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def __aenter__(self) -> Controller:
+        from torch._C._distributed_c10d import TCPStore
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.store: Store = self._given_store or TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.config.collective_timeout_s),
+        )
+        self.server = BusServer(
+            self._bind, name="controller", config=self.bus, curve=self._curve, on_peer=self._on_peer
+        )
+        await self.server.start()
+        self.publisher = Publisher(config=self.bus)
+        await self.publisher.__aenter__()
+        self.link = WorkerLink(self.server, timeout_s=self.config.request_timeout_s)
+        self.ledger = Ledger(
+            self.run_dir / "events.jsonl", keep_recent=self.config.ledger_keep_recent
+        )
+        clock = MonotonicClock()
+        self.managers = {
+            name: GroupManager(
+                spec,
+                link=self.link,
+                config=self.config,
+                bus=self.bus,
+                clock=clock,
+                report=self._on_report,
+                output=self._sink(spec),
+                run_dir=self.run_dir,
+            )
+            for name, spec in self.specs.items()
+        }
+        for manager in self.managers.values():
+            await manager.start()
+        self._build_scheduler(clock)
+        self.coordinator.journal.start(self._initial)
+        group = self._group = asyncio.TaskGroup()
+        await group.__aenter__()
+        self._tasks = [group.create_task(m.run(self._stop)) for m in self.managers.values()]
+        self._tasks += [
+            group.create_task(self.coordinator.run()),
+            group.create_task(self.scheduler.run(queued_batches(self._events), self.coordinator)),
+            group.create_task(self._tick()),
+        ]
+        if self.config.metrics_port == 0 and not metrics_available():
+            logger.warning("no metrics endpoint: pip install 'dynarl[metrics]' for one")
+        elif self.config.metrics_port is not None:
+            # After the task group: a failure to bind is cleaned up by aclose().
+            self.metrics = MetricsExporter(
+                self.scheduler, host=self.config.metrics_host, port=self.config.metrics_port
+            )
+            await self.metrics.start()
+        logger.info("controller listening on %s", self.address)
+        return self
+
+    def _build_scheduler(self, clock: MonotonicClock) -> None:
+        profiles = {n: s.profile for n, s in self.specs.items() if s.profile is not None}
+        layouts = {n: f for n, s in self.specs.items() if (f := s.plan_layout()) is not None}
+        self.cost = PlannerCost(layouts, bytes_per_s=self.config.transfer_bytes_per_s)
+        held = {d for _, devs in self._initial.assignment for d in devs}
+        self.scheduler = Scheduler(
+            graph={name: spec.node() for name, spec in self.specs.items()},
+            allocation=self._initial,
+            predictor=(
+                self._predictor if self._predictor is not None else RegressionPredictor(profiles)
+            ),
+            cost=self.cost,
+            clock=clock,
+            config=self.config.scheduler,
+            ledger=self.ledger,
+            free=[d for d in range(self.num_devices) if d not in held],
+        )
+        self.faults = FaultInjector(self.config.faults, kill=self._kill)
+        self.coordinator = Coordinator(
+            managers=self.managers,
+            specs=self.specs,
+            allocation=self._initial,
+            config=self.config,
+            faults=self.faults,
+            clock=clock,
+            cost=self.cost,
+            outcomes=self._events.put_nowait,
+            publish=self._on_record,
+            journal=self._journal,
+        )
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Tell every worker to leave, stop the loops, close every socket (idempotent)."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        self._stop.set()
+        self._events.put_nowait(None)
+        for task in self._tasks:
+            task.cancel()
+        try:
+            await group.__aexit__(None, None, None)
+            await self._shutdown_workers()
+        finally:
+            for manager in self.managers.values():
+                await manager.aclose()
+            await self.publisher.aclose()
+            await self.server.aclose()
+            if self.metrics is not None:
+                await self.metrics.aclose()
+            self.ledger.close()
+            del self.store
+
+    async def _shutdown_workers(self) -> None:
+        devices = sorted(self.link.registered())
+        replies = await asyncio.gather(
+            *[self.link.ask(d, Shutdown(reason="job ends"), Done, deadline_s=5.0) for d in devices],
+            return_exceptions=True,
+        )
+        for device, reply in zip(devices, replies, strict=True):
+            if isinstance(reply, BaseException):
+                logger.info("worker %d did not acknowledge shutdown: %r", device, reply)
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def address(self) -> str:
+        """The bus address workers connect to."""
+        return self.server.address
+
+    @property
+    def store_port(self) -> int:
+        """Port of the job's TCPStore (on 127.0.0.1) when the controller hosts it."""
+        port: int = getattr(self.store, "port", 0)
+        return port
+
+    @property
+    def allocation(self) -> Allocation:
+        """The allocation in force."""
+        return self.coordinator.allocation
+
+    async def wait_for_workers(self, devices: Sequence[int], *, alive: Callable[[], None]) -> None:
+        """Wait until every device's worker registered; ``alive()`` raises if one died.
+
+        Raises TimeoutError after ``config.start_timeout_s``.
+        """
+        async with asyncio.timeout(self.config.start_timeout_s):
+            while not set(devices) <= self.link.registered():
+                alive()
+                await asyncio.sleep(0.05)
+
+    async def start_roles(self) -> None:
+        """Activate every component on its initial devices."""
+        await asyncio.gather(*[m.start_roles() for m in self.managers.values()])
+
+    def manager(self, component: str) -> GroupManager:
+        """The manager of ``component``; ValueError if there is none."""
+        try:
+            return self.managers[component]
+        except KeyError:
+            raise ValueError(f"no component named {component!r}") from None
+
+    def channel(self, name: str, *, capacity: int | None = None) -> Channel[Sample]:
+        """The ``Sample`` channel ``name``, bound to the queues this controller hosts."""
+        size = capacity or self.config.channel_capacity
+        return Channel(name, Sample, capacity=size).bind(self.server.channels)
+
+    def post(self, event: SchedulerEvent) -> None:
+        """Hand the scheduler an event (a move outcome of a move made outside it)."""
+        self._events.put_nowait(event)
+
+    # ------------------------------------------------------------------ internals
+
+    def _sink(self, spec: ComponentSpec) -> Callable[[Sample], Coroutine[Any, Any, None]]:
+        async def put(sample: Sample) -> None:
+            await self.server.channels.channel_put(
+                spec.output_channel,
+                "",
+                sample,
+                capacity=self.config.channel_capacity,
+                timeout=None,
+            )
+
+        return put
+
+    async def _tick(self) -> None:
+        interval = self.config.scheduler.decision_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            self._events.put_nowait(Tick())
+
+    def _on_report(self, report: ComponentReport) -> None:
+        self._events.put_nowait(report)
+        self.publisher.publish(f"report/{report.component}", report)
+
+    def _on_record(self, record: MigrationRecord) -> None:
+        self.publisher.publish(f"migration/{record.component}", record)
+
+    def _on_peer(self, event: PeerEvent) -> None:
+        if event.event == "lost":
+            logger.warning("peer %s lost", event.peer)
+        if self.metrics is not None:
+            self.metrics.peer_event(event.event)
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.publish("peer", event)

@@ -1,0 +1,230 @@
+"""One decision round as pure functions: the safety gates, then Stage 2.
+
+Safety: a move may start only when the scheduler is not in safe mode, no move is in
+flight, and at least ``min_move_interval_s`` has passed since the last move ended. Safe
+mode freezes the last valid allocation (the pipeline runs on statically); it is entered
+after ``max_failed_moves`` consecutive failed moves, when any component's median relative
+prediction error exceeds ``max_prediction_error`` over at least ``num_error_samples``
+samples, or on an operator command; it ends after ``safe_mode_cooldown_s`` or on an
+operator command. :class:`Safety` is immutable; every transition returns a new one and
+nothing here reads a clock.
+
+Stage 2: :func:`decide` ranks the candidates (see :mod:`dynarl.sched._candidates`), takes the best
+one that saves strictly more than ``min_gain_s`` after its migration cost and whose TP
+groups can stay node-local, and turns it into concrete device moves (a shrinking component
+with registered workers gives up its least-utilized ones, by its latest report). :func:`hold` is the
+round's record when the scheduler does not get as far as Stage 2 (no donor, safe mode,
+minimum interval, a move in flight). Runs in the scheduler's loop or the simulator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from dynarl.errors import SchedulingError
+from dynarl.sched._candidates import assess, evaluate
+from dynarl.sched._decision import Candidate, Decision, DeviceMove, MigrationCost, Rejection
+from dynarl.sched._device_placement import place
+from dynarl.sched._graph import HyperNode
+from dynarl.sched._predictor import ThroughputPredictor
+from dynarl.sched._sched_config import SchedulerConfig
+from dynarl.sched._window import ComponentStats, DonorSignal
+from dynarl.types import Allocation
+
+__all__ = ["Safety", "decide", "hold"]
+
+
+def decide(
+    *,
+    nodes: Mapping[str, HyperNode],
+    allocation: Allocation,
+    free: Sequence[int],
+    stats: Mapping[str, ComponentStats],
+    donors: Sequence[DonorSignal],
+    predictor: ThroughputPredictor,
+    cost: MigrationCost,
+    config: SchedulerConfig,
+    time: float,
+) -> Decision:
+    """Stage 2 over ``donors`` (and any free devices): the round's :class:`Decision`."""
+    counts = {name: allocation.count(name) for name in nodes}
+    evaluation = evaluate(
+        nodes=nodes,
+        counts=counts,
+        num_free=len(free),
+        stats=stats,
+        donors=[d.component for d in donors],
+        predictor=predictor,
+        cost=cost,
+        config=config,
+    )
+    chosen: Candidate | None = None
+    moves: tuple[DeviceMove, ...] = ()
+    rejected: list[Rejection] = []
+    for cand in evaluation.candidates:
+        if chosen is not None:
+            reason = (
+                f"saves {cand.gain_s:.3f} s, less than the chosen {chosen.gain_s:.3f} s"
+                if math.isfinite(chosen.gain_s)
+                else f"finishes in {cand.remaining_s + cand.cost_s:.3f} s, later than the "
+                f"chosen {chosen.remaining_s + chosen.cost_s:.3f} s"
+            )
+        elif not cand.gain_s > config.min_gain_s:
+            reason = (
+                f"not better after cost: saves {cand.gain_s:.3f} s net of "
+                f"{cand.cost_s:.3f} s migration, needs more than {config.min_gain_s} s"
+            )
+        else:
+            try:
+                moves = place(
+                    allocation,
+                    free,
+                    dict(cand.sizes),
+                    nodes,
+                    config.num_devices_per_node,
+                    load={name: s.latest.utilization for name, s in stats.items()},
+                )
+            except SchedulingError as err:
+                reason = f"infeasible placement: {err}"
+            else:
+                chosen = cand
+                continue
+        rejected.append(Rejection(candidate=cand, reason=reason))
+    if chosen is not None:
+        gain = "all remaining work" if math.isinf(chosen.gain_s) else f"{chosen.gain_s:.3f} s"
+        reason = (
+            f"commit: saves {gain} net of {chosen.cost_s:.3f} s migration; "
+            f"bottleneck {chosen.bottleneck}"
+        )
+    elif rejected:
+        reason = f"rejected: {rejected[0].reason}"
+    else:
+        reason = f"rejected: {evaluation.note}"
+    return Decision(
+        time=time,
+        committed=chosen is not None,
+        reason=reason,
+        old_allocation=allocation,
+        current=evaluation.current,
+        chosen=chosen,
+        moves=moves,
+        donors=tuple(d.component for d in donors),
+        rejected=tuple(rejected),
+        num_levels=evaluation.num_levels,
+        exhaustive=evaluation.exhaustive,
+    )
+
+
+def hold(
+    *,
+    reason: str,
+    nodes: Mapping[str, HyperNode],
+    allocation: Allocation,
+    free: Sequence[int],
+    stats: Mapping[str, ComponentStats],
+    predictor: ThroughputPredictor,
+    config: SchedulerConfig,
+    time: float,
+    donors: Sequence[DonorSignal] = (),
+) -> Decision:
+    """A round that commits nothing for ``reason``, with the current predicted numbers."""
+    current = assess(
+        nodes=nodes,
+        counts={name: allocation.count(name) for name in nodes},
+        num_free=len(free),
+        stats=stats,
+        predictor=predictor,
+        config=config,
+    )
+    return Decision(
+        time=time,
+        committed=False,
+        reason=reason,
+        old_allocation=allocation,
+        current=current,
+        donors=tuple(d.component for d in donors),
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Safety:
+    """Where the scheduler stands with respect to its safety rules."""
+
+    safe_since: float | None = None
+    """When safe mode began (None: not in safe mode)."""
+    safe_reason: str = ""
+    """Why it is in safe mode."""
+    operator_hold: bool = False
+    """Safe mode was entered by an operator: only an operator ends it."""
+    failures: int = 0
+    """Consecutive failed moves."""
+    last_move_end: float = -math.inf
+    """When the last move (or its failure) was reported."""
+    in_flight: str | None = None
+    """Decision id of the move being carried out."""
+
+    @property
+    def safe(self) -> bool:
+        """Whether safe mode is on."""
+        return self.safe_since is not None
+
+    def gate(self, now: float, config: SchedulerConfig) -> str | None:
+        """Why no move may start at ``now``, or None if one may."""
+        if self.safe:
+            return f"safe mode: {self.safe_reason}"
+        if self.in_flight is not None:
+            return f"move {self.in_flight} still in flight"
+        wait = self.last_move_end + config.min_move_interval_s - now
+        if wait > 0:
+            return f"minimum interval between moves: {wait:.3f} s to go"
+        return None
+
+    def started(self, decision_id: str) -> Safety:
+        """A move was handed to the executor."""
+        return replace(self, in_flight=decision_id)
+
+    def moved_externally(self, now: float) -> Safety:
+        """The pipeline moved devices on its own: the minimum interval counts from ``now``."""
+        return replace(self, last_move_end=max(self.last_move_end, now))
+
+    def finished(self, ok: bool, now: float, config: SchedulerConfig) -> Safety:
+        """The move in flight ended; failures may start safe mode."""
+        failures = 0 if ok else self.failures + 1
+        after = replace(self, in_flight=None, failures=failures, last_move_end=now)
+        if failures >= config.max_failed_moves and not after.safe:
+            return after.enter(f"{failures} consecutive failed moves", now)
+        return after
+
+    def check_errors(
+        self, errors: Mapping[str, tuple[float, int]], now: float, config: SchedulerConfig
+    ) -> Safety:
+        """Enter safe mode if a component's prediction error is beyond the bound."""
+        if self.safe:
+            return self
+        for name, (error, count) in sorted(errors.items()):
+            if count >= config.num_error_samples and error > config.max_prediction_error:
+                return self.enter(
+                    f"prediction error of {name} is {error:.2f} > {config.max_prediction_error}",
+                    now,
+                )
+        return self
+
+    def enter(self, reason: str, now: float, *, operator: bool = False) -> Safety:
+        """Start safe mode (a no-op when already in it, unless an operator takes over)."""
+        if self.safe and not operator:
+            return self
+        return replace(self, safe_since=now, safe_reason=reason, operator_hold=operator)
+
+    def tick(self, now: float, config: SchedulerConfig) -> Safety:
+        """End safe mode once its cool-down has passed (not an operator's hold)."""
+        if self.safe_since is None or self.operator_hold:
+            return self
+        if now - self.safe_since >= config.safe_mode_cooldown_s:
+            return self.leave()
+        return self
+
+    def leave(self) -> Safety:
+        """End safe mode; the failure count starts over."""
+        return replace(self, safe_since=None, safe_reason="", operator_hold=False, failures=0)

@@ -1,0 +1,306 @@
+"""The parts of a workload: cluster, model, batch, lengths, engines, stages, costs.
+
+Each TOML table of a workload file (``docs/workloads.md``) maps to one frozen dataclass
+here; every field is range-checked when it is built (``ValueError`` naming the field).
+Pure data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = [
+    "AgenticSpec",
+    "BatchSpec",
+    "ClusterSpec",
+    "LengthSpec",
+    "MigrationSpec",
+    "ModelSpec",
+    "RolloutSpec",
+    "StageSpec",
+    "VerlSpec",
+]
+
+
+def _positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"{owner}.{name} must be a positive number, got {value!r}")
+
+
+def _non_negative(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ValueError(f"{owner}.{name} must be >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterSpec:
+    """The GPUs of the job."""
+
+    num_gpus: int
+    """GPUs in the job."""
+    num_gpus_per_node: int = 8
+    """GPUs per node (TP groups never span nodes)."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU, GiB."""
+
+    def __post_init__(self) -> None:
+        _positive("cluster", num_gpus=self.num_gpus, num_gpus_per_node=self.num_gpus_per_node)
+        _positive("cluster", gpu_memory_gib=self.gpu_memory_gib)
+        if self.num_gpus % self.num_gpus_per_node:
+            raise ValueError("cluster.num_gpus must be a multiple of num_gpus_per_node")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """The policy model."""
+
+    name: str
+    """Label (for example ``7b``)."""
+    num_params: float
+    """Parameters."""
+    num_layers: int
+    """Transformer layers."""
+    hidden_size: int
+    """Hidden size."""
+    kv_bytes_per_token: int
+    """KV-cache bytes of one token (all layers, K and V, bf16)."""
+    state_bytes_per_param: float = 16.0
+    """Trainer state per parameter: bf16 weights and grads, fp32 master and Adam moments."""
+    sharded_state_fraction: float = 0.75
+    """Part of the trainer state the distributed optimizer shards over DP ranks."""
+
+    def __post_init__(self) -> None:
+        _positive("model", num_params=self.num_params, num_layers=self.num_layers)
+        _positive("model", hidden_size=self.hidden_size, kv_bytes=self.kv_bytes_per_token)
+        _positive("model", state_bytes_per_param=self.state_bytes_per_param)
+        if not 0.0 <= self.sharded_state_fraction <= 1.0:
+            raise ValueError("model.sharded_state_fraction must be in [0, 1]")
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one full replica of the trainer state."""
+        return int(self.num_params * self.state_bytes_per_param)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchSpec:
+    """One training iteration's batch."""
+
+    num_prompts: int
+    """Prompts per iteration (rollout batch)."""
+    group_size: int
+    """Samples per prompt (GRPO group)."""
+    num_minibatches: int
+    """Trainer mini-batches (optimizer steps) per iteration."""
+    max_seq_len: int
+    """Longest sequence, prompt included, tokens."""
+
+    def __post_init__(self) -> None:
+        _positive("batch", num_prompts=self.num_prompts, group_size=self.group_size)
+        _positive("batch", num_minibatches=self.num_minibatches, max_seq_len=self.max_seq_len)
+        if (self.num_prompts * self.group_size) % self.num_minibatches:
+            raise ValueError("batch: num_prompts × group_size must divide into num_minibatches")
+
+    @property
+    def num_samples(self) -> int:
+        """Samples (sequences or episodes) per iteration."""
+        return self.num_prompts * self.group_size
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LengthSpec:
+    """Prompt and output lengths: log-normal, clipped to the sequence limit."""
+
+    prompt_median: float
+    """Median prompt length, tokens."""
+    prompt_sigma: float
+    """Log-space standard deviation of prompt lengths."""
+    output_median: float
+    """Median output length (agentic: of the first turn), tokens."""
+    output_sigma: float
+    """Log-space standard deviation of output lengths (the heavy tail)."""
+
+    def __post_init__(self) -> None:
+        _positive("lengths", prompt_median=self.prompt_median, output_median=self.output_median)
+        _non_negative("lengths", prompt_sigma=self.prompt_sigma, output_sigma=self.output_sigma)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AgenticSpec:
+    """Multi-turn episodes: turns, tool latency, observations."""
+
+    mean_tool_calls: float
+    """Mean tool calls per episode (geometric, so heavily skewed)."""
+    max_tool_calls: int
+    """Most tool calls of one episode."""
+    turn_decay: float
+    """Median output of turn k is ``output_median × turn_decay**k`` (later turns shorter)."""
+    tool_latency_median_s: float
+    """Median tool latency, seconds."""
+    tool_latency_sigma: float
+    """Log-space standard deviation of tool latency."""
+    tool_timeout_s: float
+    """Tool calls end by this time, seconds."""
+    observation_median: float
+    """Median tokens a tool result adds to the context."""
+    observation_sigma: float
+    """Log-space standard deviation of observation lengths."""
+
+    def __post_init__(self) -> None:
+        _non_negative("agentic", mean_tool_calls=self.mean_tool_calls)
+        _positive("agentic", tool_latency_median_s=self.tool_latency_median_s)
+        _positive("agentic", tool_timeout_s=self.tool_timeout_s, turn_decay=self.turn_decay)
+        _positive("agentic", observation_median=self.observation_median)
+        _non_negative("agentic", max_tool_calls=self.max_tool_calls)
+        _non_negative("agentic", tool_latency_sigma=self.tool_latency_sigma)
+        _non_negative("agentic", observation_sigma=self.observation_sigma)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutSpec:
+    """One rollout engine: continuous batching with a KV budget and a decode-step curve.
+
+    A decode step (one token for every running request) takes
+    ``step_fixed_s + step_per_seq_s × batch + step_per_kv_token_s × active KV tokens``.
+    """
+
+    tp: int
+    """GPUs per engine (tensor parallel)."""
+    kv_capacity_tokens: int
+    """KV-cache tokens one engine holds (running requests plus cached prefixes)."""
+    max_running_requests: int
+    """Most requests one engine runs at once."""
+    step_fixed_s: float
+    """Decode step time independent of the batch (weights read, launch, sampling), s."""
+    step_per_seq_s: float
+    """Decode step time per running request (compute), s."""
+    step_per_kv_token_s: float
+    """Decode step time per active KV token (attention reads), s."""
+    prefill_tokens_per_s: float
+    """Prefill speed of one engine; decoding stalls while it prefills."""
+    new_token_ratio: float = 0.7
+    """SGLang's initial share of a request's future tokens reserved at admission."""
+    min_new_token_ratio: float = 0.1
+    """The floor that share decays to."""
+    new_token_ratio_decay_steps: int = 600
+    """Decode steps the share takes to decay from initial to floor."""
+    clip_max_new_tokens: int = 4096
+    """Future tokens counted per request at most, before the ratio."""
+    retract_decode_steps: int = 20
+    """Steps of headroom a retraction frees (SGLang's retract_decode_steps)."""
+
+    def __post_init__(self) -> None:
+        _positive("rollout", tp=self.tp, kv_capacity_tokens=self.kv_capacity_tokens)
+        _positive("rollout", max_running_requests=self.max_running_requests)
+        _positive("rollout", step_fixed_s=self.step_fixed_s)
+        _non_negative("rollout", step_per_seq_s=self.step_per_seq_s)
+        _non_negative("rollout", step_per_kv_token_s=self.step_per_kv_token_s)
+        _positive("rollout", prefill_tokens_per_s=self.prefill_tokens_per_s)
+        _positive("rollout", new_token_ratio_decay_steps=self.new_token_ratio_decay_steps)
+        _non_negative("rollout", clip=self.clip_max_new_tokens, steps=self.retract_decode_steps)
+        if not 0.0 <= self.min_new_token_ratio <= self.new_token_ratio <= 1.0:
+            raise ValueError("rollout: need 0 <= min_new_token_ratio <= new_token_ratio <= 1")
+
+    def step_time(self, batch: float, kv_tokens: float) -> float:
+        """Seconds of one decode step of ``batch`` requests holding ``kv_tokens``."""
+        return (
+            self.step_fixed_s + self.step_per_seq_s * batch + self.step_per_kv_token_s * kv_tokens
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageSpec:
+    """A fluid stage (log-prob inference or the trainer): tokens/s as a function of GPUs.
+
+    Throughput on ``n`` GPUs is ``tokens_per_s_per_gpu × n ** scaling_exponent``. An
+    infinite ``tokens_per_s_per_gpu`` is a stage fused into its neighbour (a trainer that
+    scores its own log-probs): it takes no time and needs no GPU (``min_gpus`` 0).
+    """
+
+    tp: int
+    """GPUs per replica (tensor × pipeline parallel): the unit of a resize."""
+    tokens_per_s_per_gpu: float
+    """Tokens processed per second by one GPU."""
+    scaling_exponent: float = 1.0
+    """Exponent of the GPU count (1: linear)."""
+    min_gpus: int = 0
+    """Fewest GPUs the stage may hold while it holds any (memory), a multiple of tp."""
+    parkable: bool = False
+    """May hold no GPU although ``min_gpus`` > 0: its state then waits in host memory
+    (parking and unparking cross the host links, ``[migration] host_gbps``)."""
+
+    def __post_init__(self) -> None:
+        _positive("stage", tp=self.tp, tokens_per_s_per_gpu=self.tokens_per_s_per_gpu)
+        _positive("stage", scaling_exponent=self.scaling_exponent)
+        _non_negative("stage", min_gpus=self.min_gpus)
+        if not isinstance(self.parkable, bool):
+            raise ValueError(f"stage.parkable must be a bool, got {self.parkable!r}")
+        if self.min_gpus % self.tp:
+            raise ValueError("stage.min_gpus must be a multiple of tp")
+        if self.fused and self.min_gpus:
+            raise ValueError("a fused stage (infinite tokens_per_s_per_gpu) needs min_gpus 0")
+
+    @property
+    def fused(self) -> bool:
+        """Whether the stage takes no time and no GPU (infinite throughput)."""
+        return math.isinf(self.tokens_per_s_per_gpu)
+
+    def rate(self, num_gpus: int) -> float:
+        """Tokens per second on ``num_gpus`` GPUs (0 for none; infinite when fused)."""
+        if self.fused:
+            return math.inf
+        if num_gpus <= 0:
+            return 0.0
+        return self.tokens_per_s_per_gpu * math.pow(num_gpus, self.scaling_exponent)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MigrationSpec:
+    """Modelled migration pauses, seconds (the scheduler is charged the same figures)."""
+
+    workload_s: float
+    """Workload migration of rollout or inference (stop, re-route, free, load)."""
+    p2p_s: float
+    """P2P reshard of the trainer."""
+    reboot_s: float
+    """Reboot migration (fallback)."""
+    weight_sync_s: float
+    """Trainer to rollout weight sync at the end of an iteration."""
+    phase_switch_s: float
+    """Colocated stage switch (offload one role, onload the next)."""
+    host_gbps: float = 50.0
+    """Host link of one GPU, GB/s: a parked stage's state crosses it when the stage parks
+    or unparks, every GPU over its own link in parallel (PCIe gen5 x16)."""
+
+    def __post_init__(self) -> None:
+        _non_negative("migration", workload_s=self.workload_s, p2p_s=self.p2p_s)
+        _non_negative("migration", reboot_s=self.reboot_s, weight_sync_s=self.weight_sync_s)
+        _non_negative("migration", phase_switch_s=self.phase_switch_s)
+        _positive("migration", host_gbps=self.host_gbps)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VerlSpec:
+    """verl fully-async with hybrid replicas (its dynamic resource scheduling)."""
+
+    deactivate_ratio: float = 0.3
+    """Initial dynamic_schedule_deactivate_ratio."""
+    staleness_threshold: float = 0.1
+    """Samples the rollouter may run ahead, as a share of a sync cycle."""
+    trigger_parameter_sync_step: int = 4
+    """Collections per weight-sync cycle."""
+    require_batches: int = 1
+    """Mini-batches per collection."""
+    clamp_ratio: bool = False
+    """Clamp the adaptive ratio to [0, 1] (verl does not)."""
+    enable_rebalance: bool = True
+    """Rebalance in-flight requests after an activation."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.deactivate_ratio <= 1.0:
+            raise ValueError("verl.deactivate_ratio must be in [0, 1]")
+        _non_negative("verl", staleness_threshold=self.staleness_threshold)
+        _positive("verl", trigger=self.trigger_parameter_sync_step, batches=self.require_batches)
