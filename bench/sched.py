@@ -34,6 +34,7 @@ from dynarl.sched import (
     SchedulerConfig,
     StaticMigrationCost,
 )
+from dynarl.sched._decision import RoundInput
 from dynarl.sched._planner import decide
 from dynarl.sched._sched_config import PredictorConfig
 from dynarl.sched._window import WindowSet, detect_donors
@@ -119,15 +120,16 @@ def one_round(
     donors = detect_donors(stats, config)
     t2 = time.perf_counter()
     decision = decide(
-        nodes=nodes,
-        allocation=allocation,
-        free=(),
-        stats=stats,
-        donors=donors,
-        predictor=predictor,
-        cost=cost,
-        config=config,
-        time=now,
+        RoundInput(
+            nodes=nodes,
+            allocation=allocation,
+            stats=stats,
+            donors=tuple(donors),
+            predictor=predictor,
+            cost=cost,
+            config=config,
+            time=now,
+        )
     )
     t3 = time.perf_counter()
     evaluated = len(decision.rejected) + (1 if decision.chosen else 0)

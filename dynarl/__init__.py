@@ -24,6 +24,7 @@ from dynarl.errors import (
     RemoteError,
     SchedulingError,
     WorkerError,
+    WorkerLostError,
 )
 from dynarl.types import Allocation, ComponentKind, MigrationKind, ParallelDims
 
@@ -56,6 +57,7 @@ __all__ = [
     "SchedulingError",
     "WorkerError",
     "WorkerGroup",
+    "WorkerLostError",
 ]
 
 _RUNTIME = frozenset({"ComponentSpec", "Job", "JobConfig", "RuntimeConfig"})

@@ -16,7 +16,8 @@ raises :class:`ValueError` (or :class:`TypeError`) instead, at the call that rec
      │    ├── LeaseExpiredError    a migration's lease lapsed before commit
      │    └── MigrationAborted     a migration was aborted on purpose (operator, safe mode)
      ├── WorkerError               a worker or worker group failed outside a migration
- ├── IntegrityError            durable state on disk (journal, checkpoint) failed verification
+     │    └── WorkerLostError      a worker process died outside a migration
+     ├── IntegrityError            durable state on disk (journal, checkpoint) failed verification
      └── BackendError              an engine or trainer backend (SGLang, Megatron) misbehaved
 """
 
@@ -36,6 +37,7 @@ __all__ = [
     "RemoteError",
     "SchedulingError",
     "WorkerError",
+    "WorkerLostError",
 ]
 
 
@@ -94,6 +96,26 @@ class MigrationAborted(MigrationError):
 
 class WorkerError(DynarlError):
     """A worker or worker group failed outside a migration."""
+
+
+class WorkerLostError(WorkerError):
+    """A worker process died outside a migration (killed, out of memory, its host gone).
+
+    ``component`` is what the worker hosted ("" for none), ``worker`` its bus name,
+    ``device`` its device, ``cause`` how it ended (``"killed by SIGKILL"``, ``"exited with
+    status 1"``, ``"missed heartbeats"``). ``fatal`` says the job cannot go on: every
+    call, submission and output of the job then raises it.
+    """
+
+    def __init__(
+        self, message: str, *, component: str, device: int, cause: str, fatal: bool
+    ) -> None:
+        super().__init__(message)
+        self.component = component
+        self.device = device
+        self.worker = f"worker/{device}"
+        self.cause = cause
+        self.fatal = fatal
 
 
 class IntegrityError(DynarlError):

@@ -9,6 +9,12 @@ scheduler watches both components; when the tail leaves the engines idle it drai
 them (its in-flight generation continues on the other engine) and grows the trainer onto
 it by a P2P reshard. The loop itself never waits for any of that.
 
+A worker that dies meanwhile (killed, out of memory) is handled the same way, as a device
+taken away: an engine's requests continue on the other engine, or on a device the trainer
+gives up if it was the last one. The trainer here keeps no checkpoint (``DurableRun`` does
+that), so losing its worker stops the job with one error naming the component, worker,
+device and signal.
+
 Run: ``.venv/bin/python examples/custom_loop.py`` (about half a minute).
 """
 
@@ -20,6 +26,7 @@ import tempfile
 
 import dynarl
 from dynarl.bus import GenerationRequest, MigrationRecord, Sample, pack_tokens
+from dynarl.errors import WorkerLostError
 from dynarl.sched import ComponentProfile, ProfilePoint, SchedulerConfig
 from dynarl.testing import ScriptedRollout, TinyTrainer
 
@@ -114,4 +121,7 @@ if __name__ == "__main__":
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--samples", type=int, default=12)
     args = parser.parse_args()
-    asyncio.run(main(args.iterations, args.samples))
+    try:
+        asyncio.run(main(args.iterations, args.samples))
+    except WorkerLostError as lost:  # a worker died and the job could not go on
+        raise SystemExit(f"job stopped: {lost}") from None

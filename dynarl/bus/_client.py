@@ -15,9 +15,10 @@ import logging
 import os
 import socket
 from collections.abc import Callable
-from types import TracebackType
+from contextlib import AsyncExitStack
 from typing import Any
 
+from dynarl._resource import AsyncResource
 from dynarl.bus._bus_config import BusConfig
 from dynarl.bus._codec import Refusal
 from dynarl.bus._curve import CurveClient
@@ -37,7 +38,7 @@ from dynarl.bus._messages import (
 )
 from dynarl.bus._peers import Peer
 from dynarl.bus._transport import DealerLink, open_dealer
-from dynarl.errors import BusError, PeerLostError, ProtocolError
+from dynarl.errors import PeerLostError, ProtocolError
 
 __all__ = ["BusClient"]
 
@@ -48,7 +49,7 @@ def _ignore(message: Heartbeat, peer: Peer) -> None:
     """Heartbeat echoes only refresh the server's last-seen time."""
 
 
-class BusClient(Endpoint):
+class BusClient(Endpoint, AsyncResource):
     """Request/reply client of the server at ``address``, registered as ``name``.
 
     Use as ``async with BusClient(address, name=...) as client:`` on one event loop.
@@ -95,23 +96,24 @@ class BusClient(Endpoint):
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> BusClient:
-        """Connect, register and start heartbeats (see the class docstring for errors)."""
-        if self._link is not None or self.closed:
-            raise BusError(f"client {self.name!r} already started")
+        """Connect, register and start heartbeats (see the class docstring for errors;
+        RuntimeError if the client was already started)."""
+        await self._open_resource()
+        return self
+
+    async def _open(self, stack: AsyncExitStack) -> None:
         link = self._link = open_dealer(
             self._address, self.config, self._curve, identity=self.name.encode()
         )
+        stack.push_async_callback(self._close_link, link)
         self._send_nowait = link.send_nowait
         self._send_direct = link.send_direct
-        await self._start(self._receive(link.recv, link.recv_nowait), link.serve())
+        await self._start(stack, self._receive(link.recv, link.recv_nowait), link.serve())
+        stack.push_async_callback(self._leave)
         self._server.last_seen = self._now()
-        try:
-            reply = await self._request(self._server, self._hello, self.config.register_timeout_s)
-            if not isinstance(reply, Welcome) or reply.protocol != PROTOCOL_VERSION:
-                raise ProtocolError(f"protocol_version: server answered Register with {reply!r}")
-        except BaseException:
-            await self._close()
-            raise
+        reply = await self._request(self._server, self._hello, self.config.register_timeout_s)
+        if not isinstance(reply, Welcome) or reply.protocol != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol_version: server answered Register with {reply!r}")
         self.welcome = reply
         self._server.name = reply.server
         # Refuse locally what the server would refuse (its limit may be lower than ours).
@@ -120,39 +122,22 @@ class BusClient(Endpoint):
         assert self._group is not None
         self._background.append(self._group.create_task(self._heartbeat(reply)))
         logger.info("bus client %s registered with %s at %s", self.name, reply.server, link.address)
-        return self
 
-    async def aclose(self) -> None:
-        """Leave (``Unregister``), fail pending requests, cancel handlers, close the socket."""
-        await self._close()
-
-    async def _close(
-        self,
-        exc_type: type[BaseException] | None = None,
-        exc: BaseException | None = None,
-        tb: TracebackType | None = None,
-    ) -> None:
-        link, self._link = self._link, None
-        if link is None:
-            return
+    async def _leave(self) -> None:
+        """Say ``Unregister`` (once registered), fail pending requests, cancel handlers."""
         if self.welcome is not None:
             self._notify(self._server, Unregister(reason="closed"))
-        try:
-            await self._stop([self._server], exc_type, exc, tb)
-        finally:
-            await link.aclose()
-            logger.debug("bus client %s closed", self.name)
+        await self._stop([self._server])
 
-    async def __aenter__(self) -> BusClient:
-        return await self.start()
+    async def _close_link(self, link: DealerLink) -> None:
+        self._link = None
+        await link.aclose()
+        logger.debug("bus client %s closed", self.name)
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._close(exc_type, exc, tb)
+    async def aclose(self) -> None:
+        """Leave (``Unregister``), fail pending requests, cancel handlers, close the socket
+        (idempotent)."""
+        await super().aclose()
 
     # ------------------------------------------------------------------ public
 

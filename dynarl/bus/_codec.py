@@ -4,6 +4,10 @@ A request/reply frame is one MessagePack array ``[kind, request_id, timeout_ms, 
 (``docs/wire.md``). A :class:`FrameCodec` holds one encoder and one typed decoder, built
 once per socket; the happy path decodes a frame with a single ``msgspec`` call, and only a
 frame that fails is decoded again step by step to say exactly what was wrong.
+
+Decoding enforces what a valid message is, as the message types declare it
+(``dynarl.bus._messages``): a message that breaks a rule is refused as ``invalid``, and the
+refusal names the field (``$.max_new_tokens``, ``token_ids``); a handler never sees it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ propagates cancellation (a ``CANCEL`` frame cancels the remote handler task), fa
 waiters on a lost peer, and refuses bad frames with a counted, rate-limited, addressed
 error reply. Everything here runs on the endpoint's event loop.
 
-Handlers are registered per message type with :meth:`Endpoint.route`. A plain function
+Handlers are registered per message type with :meth:`Endpoint.route`; a handler's type,
+:data:`Handler`, is generic over the message type it is routed (``Handler[Ping]`` takes a
+``Ping``), so a type checker matches each handler with its route. A plain function
 runs inline in the receive loop (the fast path: no task per request); a coroutine function
 runs as a task in the endpoint's task group, under the requester's deadline, and is
 cancelled when the requester cancels or is lost.
@@ -19,12 +21,14 @@ import itertools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import AsyncExitStack
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, TypeAlias, TypeVar
 
+from dynarl._resource import Background, background
 from dynarl.bus._bus_config import BusConfig
 from dynarl.bus._codec import Frame, FrameCodec, Refusal
-from dynarl.bus._messages import MESSAGE_TYPES, Ack, ErrorReply, Ping, Pong
+from dynarl.bus._messages import MESSAGE_TYPES, Ack, ErrorReply, Message, Ping, Pong
 from dynarl.bus._peers import Peer
 from dynarl.bus._pending import PendingRequests
 from dynarl.bus._stats import (
@@ -40,13 +44,19 @@ from dynarl.errors import (
     ProtocolError,
 )
 
-__all__ = ["Endpoint", "Handler"]
+__all__ = ["Endpoint", "Handler", "Reply"]
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[Any, Peer], Any]
-"""``handler(message, peer)`` returning the reply (a bus message, or None for ``Ack``),
-or a coroutine function returning it."""
+M = TypeVar("M", bound=Message)
+"""A message type of the request/reply socket (control or data channel)."""
+Reply: TypeAlias = Message | None
+"""What a handler answers: a bus message, or None for ``Ack``."""
+Handler: TypeAlias = Callable[[M, Peer], Reply | Awaitable[Reply]]
+"""``handler(message, peer)`` for messages of type ``M``, returning the reply, or a
+coroutine function returning it."""
+_AnyHandler: TypeAlias = Callable[[Any, Peer], Any]
+"""A routed handler as the receive loop calls it (its message type checked at routing)."""
 
 _MAX_TIMEOUT_MS: Final = 2**32 - 1
 _ACK: Final = Ack()
@@ -70,9 +80,9 @@ class Endpoint:
         self._codec = FrameCodec(config.max_message_bytes)
         self._encode = self._codec.encode
         self._log = RateLimitedLog(logger, config.log_interval_s)
-        self._handlers: dict[type, tuple[Handler, bool]] = {}
+        self._handlers: dict[type, tuple[_AnyHandler, bool]] = {}
         self._ids = itertools.count(1)
-        self._group: asyncio.TaskGroup | None = None
+        self._group: Background | None = None
         self._background: list[asyncio.Task[None]] = []
         self._notified: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -84,10 +94,10 @@ class Endpoint:
 
     # ------------------------------------------------------------------ public
 
-    def route(self, message_type: type, handler: Handler) -> None:
+    def route(self, message_type: type[M], handler: Handler[M]) -> None:
         """Serve requests and notifications of ``message_type`` with ``handler``.
 
-        Raises ValueError if the type is not a bus message.
+        Raises ValueError if the type is not a bus message of the request/reply socket.
         """
         if message_type not in MESSAGE_TYPES:
             raise ValueError(f"{message_type!r} is not a bus message type")
@@ -127,15 +137,16 @@ class Endpoint:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def _start(self, *loops: Awaitable[None]) -> None:
+    async def _start(self, stack: AsyncExitStack, *loops: Awaitable[None]) -> None:
+        """Start the endpoint's loops in a task group that ``stack`` closes (waiting for
+        every task the endpoint started: loops, handlers, notifications)."""
         self._loop = asyncio.get_running_loop()
         self._now = self._loop.time
         self._pending = PendingRequests(self._loop, self._cancel_remote)
         self._waiters = self._pending.waiting
-        group = asyncio.TaskGroup()
-        await group.__aenter__()
-        self._group = group
-        self._background = [group.create_task(loop) for loop in loops]  # type: ignore[arg-type]
+        tasks = await stack.enter_async_context(background())
+        self._group = tasks
+        self._background = [tasks.create_task(loop) for loop in loops]  # type: ignore[arg-type]
 
     async def _stop(
         self,
@@ -152,11 +163,9 @@ class Endpoint:
                 task.cancel()
             peer.running.clear()
         self._pending.close(BusError(f"endpoint {self.name!r} closed"))
-        group, self._group = self._group, None
-        if group is not None:
-            # Not the body's exception: the task group would wrap it in an ExceptionGroup.
-            # Only a crash of the endpoint's own tasks surfaces from here.
-            await group.__aexit__(None, None, None)
+        # The task group itself closes next on the owner's exit stack and waits for the
+        # cancelled tasks; only a crash of the endpoint's own tasks surfaces from there.
+        self._group = None
 
     async def _receive(
         self,
@@ -317,7 +326,7 @@ class Endpoint:
         else:
             future.set_result(body)
 
-    def _call(self, handler: Handler, body: Any, peer: Peer) -> Any:
+    def _call(self, handler: _AnyHandler, body: Any, peer: Peer) -> Any:
         try:
             return handler(body, peer)
         except Exception as exc:  # a handler's failure is the requester's error reply
@@ -336,7 +345,7 @@ class Endpoint:
         return ErrorReply(code=error_code(exc), message=f"{type(exc).__name__}: {exc}")
 
     async def _serve(
-        self, handler: Handler, body: Any, peer: Peer, rid: int, timeout_ms: int
+        self, handler: _AnyHandler, body: Any, peer: Peer, rid: int, timeout_ms: int
     ) -> None:
         scope = asyncio.timeout(timeout_ms / 1000 if timeout_ms else None)
         try:
@@ -360,7 +369,7 @@ class Endpoint:
         if not peer.lost:
             self._reply_to(peer.key, rid, result)
 
-    def _spawn_notified(self, handler: Handler, body: Any, peer: Peer) -> None:
+    def _spawn_notified(self, handler: _AnyHandler, body: Any, peer: Peer) -> None:
         async def run() -> None:
             try:
                 await handler(body, peer)

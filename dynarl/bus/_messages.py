@@ -10,11 +10,33 @@ in the ``"type"`` field of a MessagePack map), ``frozen=True`` and ``kw_only=Tru
 - :data:`EventMessage`: ledger records, reports and peer events (publish/subscribe socket).
 
 ``docs/wire.md`` documents every field for clients written in other languages.
+
+**What a valid message is** is declared on the types themselves, so that decoding enforces
+it and ``dynarl.testing.message_strategy`` draws only valid messages:
+
+- ``msgspec`` constraints in ``Annotated[..., msgspec.Meta(...)]`` (``ge``, ``gt``, ``le``,
+  ``min_length``, ``max_length``, ``pattern``); every float field of this module's
+  messages is finite (its bounds are at most the largest float), so NaN and infinities are
+  refused;
+- two rules ``Meta`` cannot express, declared in its ``extra`` and enforced by the type's
+  ``__post_init__`` (which runs on construction *and* on decoding; ``_refuse`` names the
+  broken rule):
+  ``extra={"packed": "<i4"}`` (or ``"<f4"``) on a bytes field: a packed little-endian array
+  of that NumPy dtype, so its length is a multiple of the item size;
+  ``extra={"max_items_of": "token_ids"}`` on an int field: at most the number of items of
+  that packed field.
+
+The ``Meta`` constraints are checked when a message is decoded (a receiver refuses it with
+``invalid``, naming the field), not when it is constructed; the ``extra`` rules are checked
+both times (``ValueError`` on construction).
 """
 
 from __future__ import annotations
 
-from typing import Final, get_args
+import functools
+import sys
+import typing
+from typing import Annotated, Final, NoReturn, get_args
 
 import msgspec
 import numpy as np
@@ -69,6 +91,20 @@ SUPPORTED_PROTOCOLS: Final = frozenset({1})
 MetaValue = str | int | float | bool | None
 """A metadata value: a MessagePack scalar."""
 
+_FLOAT_MAX: Final = sys.float_info.max
+_Finite = Annotated[float, msgspec.Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
+_Positive = Annotated[float, msgspec.Meta(gt=0.0, le=_FLOAT_MAX)]
+_Id = Annotated[str, msgspec.Meta(min_length=1)]
+_PeerName = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+_Protocol = Annotated[int, msgspec.Meta(ge=1)]
+_Device = Annotated[int, msgspec.Meta(ge=0)]
+_Capacity = Annotated[int, msgspec.Meta(ge=1)]
+_TokenIds = Annotated[bytes, msgspec.Meta(extra={"packed": "<i4"})]
+_Floats = Annotated[bytes, msgspec.Meta(extra={"packed": "<f4"})]
+_PromptLen = Annotated[int, msgspec.Meta(ge=0, extra={"max_items_of": "token_ids"})]
+_MIGRATION_KINDS: Final = "^(workload|p2p|reboot)$"
+_PEER_EVENTS: Final = "^(registered|left|lost)$"
+
 
 # ----------------------------------------------------------------------------- control
 
@@ -76,39 +112,40 @@ MetaValue = str | int | float | bool | None
 class Register(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """First request of every client: who it is and which protocol it speaks."""
 
-    protocol: int
-    """Wire protocol version the client speaks; refused unless the server supports it."""
-    name: str
-    """Unique peer name on this server (for instance ``"rollout/3"``)."""
+    protocol: _Protocol
+    """Wire protocol version the client speaks (at least 1); refused unless the server
+    supports it."""
+    name: _PeerName
+    """Unique peer name on this server, 1-200 characters (for instance ``"rollout/3"``)."""
     role: str = ""
     """Free-form role of the process (``"worker"``, ``"manager"``, ...)."""
     component: str = ""
     """Logical component the peer belongs to, if any."""
-    worker: int = -1
-    """Worker index within the component, or -1."""
-    pid: int = 0
-    """Operating-system process id of the peer (informative)."""
+    worker: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    """Worker index within the component (at least 0), or -1."""
+    pid: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Operating-system process id of the peer, at least 0 (informative)."""
     host: str = ""
     """Host name of the peer (informative)."""
-    devices: tuple[int, ...] = ()
-    """Device ids the peer holds."""
+    devices: tuple[_Device, ...] = ()
+    """Device ids the peer holds (each at least 0)."""
 
 
 class Welcome(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Reply to ``Register``: the server's protocol version and the settings to adopt."""
 
-    protocol: int
-    """Wire protocol version of the server."""
+    protocol: _Protocol
+    """Wire protocol version of the server (at least 1)."""
     server: str
     """Name of the server."""
-    peer: str
-    """The name the peer was registered under."""
-    heartbeat_interval_s: float
-    """Seconds between heartbeats the client must send."""
-    num_missed_heartbeats: int
-    """Silent intervals after which either side declares the other lost."""
-    max_message_bytes: int
-    """Largest frame the server accepts."""
+    peer: _PeerName
+    """The name the peer was registered under (1-200 characters)."""
+    heartbeat_interval_s: _Positive
+    """Seconds between heartbeats the client must send (positive)."""
+    num_missed_heartbeats: Annotated[int, msgspec.Meta(ge=1)]
+    """Silent intervals after which either side declares the other lost (at least 1)."""
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=256, le=1 << 30)]
+    """Largest frame the server accepts (256 bytes to 1 GiB)."""
 
 
 class Unregister(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -121,9 +158,9 @@ class Unregister(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 class Heartbeat(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Liveness notification; a server echoes each one back to its sender."""
 
-    seq: int
-    """Sender's heartbeat counter."""
-    time: float = 0.0
+    seq: Annotated[int, msgspec.Meta(ge=0)]
+    """Sender's heartbeat counter (from 0)."""
+    time: _Finite = 0.0
     """Sender's monotonic clock when sent, seconds (informative)."""
 
 
@@ -148,8 +185,8 @@ class Pong(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 class Interrupt(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Ask a component to reach its next interruptible point (batch or query boundary)."""
 
-    component: str
-    """Component to interrupt."""
+    component: _Id
+    """Component to interrupt (not empty)."""
     reason: str = ""
     """Why (informative: a migration id, an operator command)."""
 
@@ -157,45 +194,45 @@ class Interrupt(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 class MigrationPrepare(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Phase 1 of a migration: reserve resources and stage what the move needs."""
 
-    migration_id: str
-    """Unique id of the migration; every phase is idempotent per id."""
-    decision_id: str
-    """Decision that caused the migration."""
-    kind: str
-    """A ``dynarl.MigrationKind`` value."""
-    component: str
-    """Component whose state moves."""
-    src_devices: tuple[int, ...]
-    """Devices the component holds now."""
-    dst_devices: tuple[int, ...]
-    """Devices it will hold after commit."""
-    lease_deadline: float
+    migration_id: _Id
+    """Unique id of the migration (not empty); every phase is idempotent per id."""
+    decision_id: _Id
+    """Decision that caused the migration (not empty)."""
+    kind: Annotated[str, msgspec.Meta(pattern=_MIGRATION_KINDS)]
+    """A ``dynarl.MigrationKind`` value: ``"workload"``, ``"p2p"`` or ``"reboot"``."""
+    component: _Id
+    """Component whose state moves (not empty)."""
+    src_devices: tuple[_Device, ...]
+    """Devices the component holds now (each at least 0)."""
+    dst_devices: tuple[_Device, ...]
+    """Devices it will hold after commit (each at least 0)."""
+    lease_deadline: _Finite
     """Wall-clock time (UNIX seconds) after which the receiver aborts the migration itself."""
 
 
 class MigrationTransfer(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Phase 2: move the state (p2p tensors, re-dispatched requests)."""
 
-    migration_id: str
-    """The migration."""
-    lease_deadline: float
+    migration_id: _Id
+    """The migration (not empty)."""
+    lease_deadline: _Finite
     """Wall-clock time (UNIX seconds) by which the transfer must finish."""
 
 
 class MigrationCommit(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Phase 3: switch to the new resources and free the old ones."""
 
-    migration_id: str
-    """The migration."""
-    lease_deadline: float
+    migration_id: _Id
+    """The migration (not empty)."""
+    lease_deadline: _Finite
     """Wall-clock time (UNIX seconds) by which the commit must finish."""
 
 
 class MigrationAbort(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Abandon a migration and roll back to the previous resources."""
 
-    migration_id: str
-    """The migration."""
+    migration_id: _Id
+    """The migration (not empty)."""
     reason: str = ""
     """Why it is aborted."""
 
@@ -210,8 +247,8 @@ class Ack(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 class ErrorReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Negative reply: the request (or a frame) was refused or failed."""
 
-    code: str
-    """Machine-readable reason (``docs/wire.md`` lists them)."""
+    code: _Id
+    """Machine-readable reason, not empty (``docs/wire.md`` lists them)."""
     message: str
     """What was wrong, for humans."""
 
@@ -223,8 +260,8 @@ class Envelope(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     own typed decoder. A request's reply is another ``Envelope`` (or ``Ack``/``ErrorReply``).
     """
 
-    protocol: str
-    """Name and version of the inner protocol (for instance ``"dynarl.runtime/1"``)."""
+    protocol: _Id
+    """Name and version of the inner protocol, not empty (for instance ``"dynarl.runtime/1"``)."""
     body: bytes
     """The inner message: one tagged MessagePack map of that protocol."""
 
@@ -235,45 +272,55 @@ class Envelope(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 class Sample(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """One trajectory: prompt and response tokens with its reward."""
 
-    sample_id: str
-    """Unique, stable id (the trainer's manifests list these)."""
-    token_ids: bytes
+    sample_id: _Id
+    """Unique, stable id, not empty (the trainer's manifests list these)."""
+    token_ids: _TokenIds
     """Prompt then response token ids, packed little-endian int32 (:func:`pack_tokens`)."""
-    prompt_len: int
-    """Number of prompt tokens at the front of ``token_ids``."""
+    prompt_len: _PromptLen
+    """Number of prompt tokens at the front of ``token_ids`` (0 to the number of tokens)."""
     prompt_id: str = ""
     """Id of the prompt (samples of one GRPO group share it)."""
-    reward: float | None = None
+    reward: _Finite | None = None
     """Reward, once known."""
-    logprobs: bytes = b""
+    logprobs: _Floats = b""
     """Per-response-token log-probabilities, packed little-endian float32, or empty."""
-    policy_version: int = 0
-    """Version of the policy weights that generated the response."""
+    policy_version: Annotated[int, msgspec.Meta(ge=-1)] = 0
+    """Version of the policy weights that generated the response, or -1 if unknown."""
     metadata: dict[str, MetaValue] = {}
     """Free-form scalar metadata (task id, turn, tool calls, ...)."""
+
+    def __post_init__(self) -> None:
+        # The declared extra rules, inlined for speed; _refuse says which one broke.
+        tokens = len(self.token_ids)
+        if tokens % 4 or len(self.logprobs) % 4 or self.prompt_len > tokens // 4:
+            _refuse(self)
 
 
 class GenerationRequest(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Ask a rollout engine to continue a prompt."""
 
-    sample_id: str
-    """Id the resulting ``Sample`` will carry."""
-    token_ids: bytes
+    sample_id: _Id
+    """Id the resulting ``Sample`` will carry (not empty)."""
+    token_ids: _TokenIds
     """Prompt token ids, packed little-endian int32."""
-    max_new_tokens: int
-    """Upper bound on generated tokens."""
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    """Upper bound on generated tokens (at least 1)."""
     prompt_id: str = ""
     """Id of the prompt (group)."""
-    temperature: float = 1.0
-    """Sampling temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold."""
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=_FLOAT_MAX)] = 1.0
+    """Sampling temperature (at least 0; 0 is greedy)."""
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    """Nucleus sampling threshold, in (0, 1]."""
     seed: int | None = None
     """Sampling seed (deterministic mode keys randomness by seed, sample id and position)."""
     priority: int = 0
     """Scheduling priority; higher runs first."""
     metadata: dict[str, MetaValue] = {}
     """Free-form scalar metadata."""
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) % 4:  # the declared extra rule, inlined for speed
+            _refuse(self)
 
 
 DataItem = Sample | GenerationRequest
@@ -289,8 +336,9 @@ class ChannelPut(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Queue key within the channel."""
     item: DataItem
     """The item."""
-    capacity: int
-    """Bound of the queue if this call creates it (an existing queue keeps its bound)."""
+    capacity: _Capacity
+    """Bound of the queue if this call creates it, at least 1 (an existing queue keeps its
+    bound)."""
 
 
 class ChannelGet(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -300,8 +348,9 @@ class ChannelGet(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Channel name."""
     key: str
     """Queue key within the channel."""
-    capacity: int
-    """Bound of the queue if this call creates it (an existing queue keeps its bound)."""
+    capacity: _Capacity
+    """Bound of the queue if this call creates it, at least 1 (an existing queue keeps its
+    bound)."""
 
 
 class ChannelItem(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -321,11 +370,11 @@ class ChannelItem(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 class PeerEvent(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """A peer registered, left or was lost (published for the ledger and dashboards)."""
 
-    peer: str
-    """Peer name."""
-    event: str
+    peer: _PeerName
+    """Peer name (1-200 characters)."""
+    event: Annotated[str, msgspec.Meta(pattern=_PEER_EVENTS)]
     """``"registered"``, ``"left"`` or ``"lost"``."""
-    time: float
+    time: _Finite
     """Wall-clock time (UNIX seconds)."""
     role: str = ""
     """The peer's declared role."""
@@ -360,6 +409,50 @@ MESSAGE_TYPES: Final = frozenset(get_args(Message))
 """The message classes of :data:`Message` (what a request/reply handler may be routed)."""
 
 _TOKEN_DTYPE: Final = np.dtype("<i4")
+_DTYPE_NAMES: Final = {"<i4": "little-endian int32", "<f4": "little-endian float32"}
+
+
+@functools.cache
+def _extra_rules(cls: type) -> tuple[tuple[str, str, str, int], ...]:
+    """``(field, rule, argument, item size)`` for every rule declared in a field's
+    ``Meta.extra``, ``packed`` ones first (read once per class; item size 0 unless packed).
+
+    Raises ValueError for a rule this module does not enforce.
+    """
+    rules: list[tuple[str, str, str, int]] = []
+    for name, hint in typing.get_type_hints(cls, include_extras=True).items():
+        for meta in getattr(hint, "__metadata__", ()):
+            if not (isinstance(meta, msgspec.Meta) and meta.extra):
+                continue
+            for rule, arg in meta.extra.items():
+                if rule not in ("packed", "max_items_of"):
+                    raise ValueError(f"{cls.__name__}.{name}: unknown rule {rule!r}")
+                size = np.dtype(arg).itemsize if rule == "packed" else 0
+                rules.append((name, rule, str(arg), size))
+    return tuple(sorted(rules, key=lambda rule: rule[1] != "packed"))
+
+
+def _refuse(message: msgspec.Struct) -> NoReturn:
+    """Raise ValueError naming the field of ``message`` that breaks a ``Meta.extra`` rule
+    (see the module docstring); ``msgspec`` turns it into a ``ValidationError`` when
+    decoding. A type's ``__post_init__`` checks its rules inline and calls this only when
+    one fails (``tests/prop/test_bus_valid_messages.py`` breaks every declared rule, so
+    the two cannot drift apart unnoticed)."""
+    items: dict[str, int] = {}
+    for name, rule, arg, size in _extra_rules(type(message)):
+        value = getattr(message, name)
+        if rule == "packed":
+            if len(value) % size:
+                raise ValueError(
+                    f"{name} must be packed {_DTYPE_NAMES.get(arg, arg)}: a multiple of "
+                    f"{size} bytes, got {len(value)}"
+                )
+            items[name] = len(value) // size
+        elif value > items[arg]:
+            raise ValueError(
+                f"{name} must be at most the number of items of {arg} ({items[arg]}), got {value}"
+            )
+    raise ValueError(f"invalid {type(message).__name__}: {message!r}")
 
 
 def pack_tokens(token_ids: npt.ArrayLike) -> bytes:

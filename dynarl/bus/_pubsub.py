@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
-from types import TracebackType
+from contextlib import AsyncExitStack
 
+from dynarl._resource import AsyncResource, background
 from dynarl.bus._bus_config import BusConfig
 from dynarl.bus._codec import MessageCodec, Refusal
 from dynarl.bus._curve import CurveClient, CurveServer
@@ -27,7 +28,7 @@ __all__ = ["Publisher", "Subscriber"]
 logger = logging.getLogger(__name__)
 
 
-class Publisher:
+class Publisher(AsyncResource):
     """Publishes events under topics at ``address`` (loopback by default).
 
     Use as ``async with Publisher(...) as pub:``; a routable address requires ``curve``.
@@ -48,44 +49,20 @@ class Publisher:
             EventMessage, self.config.max_message_bytes
         )
         self._link: PubLink | None = None
-        self._group: asyncio.TaskGroup | None = None
-        self._serving: asyncio.Task[None] | None = None
 
-    async def __aenter__(self) -> Publisher:
+    async def _open(self, stack: AsyncExitStack) -> None:
         link = self._link = open_publisher(self._bind_address, self.config, self._curve)
-        group = self._group = asyncio.TaskGroup()
-        await group.__aenter__()
-        self._serving = group.create_task(link.serve())
-        return self
+        stack.push_async_callback(self._close_link, link)
+        tasks = await stack.enter_async_context(background())
+        tasks.create_task(link.serve())
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._close(exc_type, exc, tb)
+    async def _close_link(self, link: PubLink) -> None:
+        self._link = None
+        await link.aclose()
 
     async def aclose(self) -> None:
-        """Close the socket; unsent messages are dropped."""
-        await self._close()
-
-    async def _close(
-        self,
-        exc_type: type[BaseException] | None = None,
-        exc: BaseException | None = None,
-        tb: TracebackType | None = None,
-    ) -> None:
-        link, self._link = self._link, None
-        group, self._group = self._group, None
-        if self._serving is not None:
-            self._serving.cancel()
-        try:
-            if group is not None:
-                await group.__aexit__(exc_type, exc, tb)
-        finally:
-            if link is not None:
-                await link.aclose()
+        """Close the socket; unsent messages are dropped (idempotent)."""
+        await super().aclose()
 
     @property
     def address(self) -> str:
@@ -109,7 +86,7 @@ class Publisher:
         return sent
 
 
-class Subscriber:
+class Subscriber(AsyncResource):
     """Receives events whose topic starts with one of ``topics`` (all by default).
 
     Bad frames are counted in ``stats.bad_frames``, logged (rate-limited) and skipped.
@@ -134,25 +111,19 @@ class Subscriber:
         self._log = RateLimitedLog(logger, self.config.log_interval_s)
         self._link: SubLink | None = None
 
-    async def __aenter__(self) -> Subscriber:
+    async def _open(self, stack: AsyncExitStack) -> None:
         link = self._link = open_subscriber(self._address, self.config, self._curve)
+        stack.push_async_callback(self._close_link, link)
         for topic in self._topics:
             link.subscribe(topic.encode())
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
+    async def _close_link(self, link: SubLink) -> None:
+        self._link = None
+        await link.aclose()
 
     async def aclose(self) -> None:
-        """Close the socket."""
-        link, self._link = self._link, None
-        if link is not None:
-            await link.aclose()
+        """Close the socket (idempotent)."""
+        await super().aclose()
 
     async def recv(self, *, timeout: float | None = None) -> tuple[str, EventMessage]:
         """The next well-formed (topic, event).

@@ -4,12 +4,15 @@ These are the data contract between the group managers (who aggregate per-worker
 the scheduler (which reads reports and writes decisions), the coordinator (which writes
 migration outcomes), the simulator (which produces reports in virtual time) and the ledger.
 They are wire messages (``msgspec.Struct``, tagged, frozen, keyword-only) so that they
-travel on the bus and land in ``events.jsonl`` as they are.
+travel on the bus and land in ``events.jsonl`` as they are. A decision's reasons are typed
+too (:mod:`dynarl.bus._decision_reasons`).
 """
 
 from __future__ import annotations
 
 import msgspec
+
+from dynarl.bus._decision_reasons import CandidateReason, DecisionReason
 
 __all__ = [
     "ComponentReport",
@@ -88,8 +91,8 @@ class RejectedCandidate(msgspec.Struct, frozen=True, kw_only=True):
     """Devices per component under this candidate."""
     predicted_throughput: float
     """Predicted pipeline throughput (minimum over components) under this candidate."""
-    reason: str
-    """Why it was not committed (for instance "not better than current after cost")."""
+    reason: CandidateReason
+    """Why it was not committed (for instance :class:`~dynarl.bus.NotBetterAfterCost`)."""
 
 
 class DecisionRecord(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -101,8 +104,9 @@ class DecisionRecord(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Job-clock time of the decision, seconds."""
     committed: bool
     """Whether a new allocation was committed."""
-    reason: str
-    """Why it was committed or rejected (for instance "no donor", "safe mode")."""
+    reason: DecisionReason
+    """Why it was committed or not (for instance :class:`~dynarl.bus.NoDonor`,
+    :class:`~dynarl.bus.Commit`); ``str(reason)`` is the sentence."""
     old_allocation: dict[str, int]
     """Devices per component before the decision."""
     new_allocation: dict[str, int]

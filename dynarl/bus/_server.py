@@ -13,9 +13,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from types import TracebackType
+from contextlib import AsyncExitStack
 from typing import Any
 
+from dynarl._resource import AsyncResource
 from dynarl.bus._bus_config import BusConfig
 from dynarl.bus._channel import ChannelTable
 from dynarl.bus._codec import Frame, Refusal
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 _ACK = Ack()
 
 
-class BusServer(Endpoint):
+class BusServer(Endpoint, AsyncResource):
     """Request/reply server bound at ``address`` (loopback by default; port 0 = any free).
 
     Use as ``async with BusServer(...) as server:`` on the loop that will serve it. A
@@ -79,45 +80,35 @@ class BusServer(Endpoint):
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> BusServer:
-        """Bind and start serving. Raises ValueError for an unsafe address."""
-        if self._link is not None or self.closed:
-            raise BusError(f"server {self.name!r} already started")
-        link = self._link = open_router(self._bind_address, self.config, self._curve)
-        self._send, self._send_direct = link.send, link.send_direct
-        self._peer_of = self._peers.get
-        await self._start(self._receive(link.recv, link.recv_nowait), self._reap(), link.serve())
-        logger.info("bus server %s listening on %s", self.name, link.address)
+        """Bind and start serving. Raises ValueError for an unsafe address, RuntimeError
+        if the server was already started."""
+        await self._open_resource()
         return self
 
+    async def _open(self, stack: AsyncExitStack) -> None:
+        link = self._link = open_router(self._bind_address, self.config, self._curve)
+        stack.push_async_callback(self._close_link, link)
+        self._send, self._send_direct = link.send, link.send_direct
+        self._peer_of = self._peers.get
+        await self._start(
+            stack, self._receive(link.recv, link.recv_nowait), self._reap(), link.serve()
+        )
+        stack.push_async_callback(self._stop_serving)
+        logger.info("bus server %s listening on %s", self.name, link.address)
+
+    async def _stop_serving(self) -> None:
+        """Fail pending requests, cancel handlers and the loops."""
+        await self._stop(list(self._peers))
+
+    async def _close_link(self, link: RouterLink) -> None:
+        self._link = None
+        await link.aclose()
+        logger.info("bus server %s closed", self.name)
+
     async def aclose(self) -> None:
-        """Stop serving: fail pending requests, cancel handlers, close the socket."""
-        await self._close()
-
-    async def _close(
-        self,
-        exc_type: type[BaseException] | None = None,
-        exc: BaseException | None = None,
-        tb: TracebackType | None = None,
-    ) -> None:
-        link, self._link = self._link, None
-        if link is None:
-            return
-        try:
-            await self._stop(list(self._peers), exc_type, exc, tb)
-        finally:
-            await link.aclose()
-            logger.info("bus server %s closed", self.name)
-
-    async def __aenter__(self) -> BusServer:
-        return await self.start()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._close(exc_type, exc, tb)
+        """Stop serving: fail pending requests, cancel handlers, close the socket
+        (idempotent)."""
+        await super().aclose()
 
     # ------------------------------------------------------------------ public
 

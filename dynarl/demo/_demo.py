@@ -52,34 +52,121 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SUMMARY", "LiveView", "add_arguments", "format_summary", "main", "write_run_dir"]
+__all__ = [
+    "DESCRIPTION",
+    "SUMMARY",
+    "LiveView",
+    "add_arguments",
+    "format_summary",
+    "main",
+    "write_run_dir",
+]
 
-DESCRIPTION = __doc__
+SUMMARY = "run a real GRPO job under dynarl and static schedules, side by side (a few minutes)"
+"""The one line ``dynarl --help`` shows for the demo."""
 
-SUMMARY = "run a real GRPO job under dynarl, static-sequential and the best static split"
+DESCRIPTION = """\
+Run a real GRPO job on this machine under dynarl and under static schedules, one
+after the other, and print them side by side: wall time, speedups, scheduler
+moves, migration pauses, and whether every run learned the same thing.
+
+The job: a small GPT (Megatron-core layers) trained by GRPO on a multi-turn
+calculator task (tool_calc: a few slow calculator calls leave a long rollout
+tail) or a single-turn task (chain_sum). Each device is one worker process on
+the CPU. Every schedule runs the same job, with the same seed, prompts and
+initial weights:
+
+  static sequential  every device generates, then every device trains
+  static splits      some devices generate while the others train (one run per
+                     split)
+  dynarl             the scheduler moves devices between rollout and trainer
+                     while the job runs, e.g. when the rollout's tail leaves an
+                     engine idle
+
+How long: a few minutes. On a 2-core machine the default demo runs three
+schedules (static sequential, the 1/1 split, dynarl) in about 2-3 minutes; each
+further device adds one more split to run. The first run also warms the model up
+(200 supervised steps), cached under OUT/.cache for the next runs. Fewer --steps
+or --prompts make it shorter.
+
+--mode hybrid runs asynchronous GRPO instead, twice: the trainer's devices only
+train (standalone-only), then they also serve as hybrid rollout replicas. About
+2 minutes on 2 cores.
+
+Writes the run directory OUT/demo-DATE-TIME: events.jsonl (every run's ledger;
+read it with 'dynarl events'), timeline.png, curves.png, summary.md. Needs the
+plots and megatron extras (make demo installs them).
+"""
+"""What ``dynarl demo --help`` shows above the options: plain text (no reST), its
+paragraphs separated by blank lines, lists indented."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The demo's options."""
-    parser.add_argument("--devices", type=int, default=None, help="devices (default: cores)")
-    parser.add_argument("--steps", type=int, default=None, help="GRPO steps per run")
-    parser.add_argument("--prompts", type=int, default=None, help="prompts per step")
-    parser.add_argument(
-        "--task", choices=("tool_calc", "chain_sum"), default=None, help="the RL task"
+    """The demo's options, in groups, each help with its default: sync mode's (from
+    :class:`~dynarl.demo._experiment.ExperimentConfig` and :func:`_config`), then hybrid
+    mode's where it differs (:func:`dynarl.demo._hybrid_demo.job_configs`); the tests keep
+    the two in step."""
+    job = parser.add_argument_group("the job")
+    job.add_argument(
+        "--task",
+        choices=("tool_calc", "chain_sum"),
+        default=None,
+        help="tool_calc: multi-turn, episodes call a calculator (a few slow calls make a long "
+        "rollout tail); chain_sum: single turn, heavy-tailed response lengths "
+        "(default: tool_calc)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of every run")
-    parser.add_argument(
-        "--out", default="runs", help="parent of the run directory (default: ./runs)"
+    job.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="GRPO steps per run (default: 5; hybrid mode: 6)",
     )
-    parser.add_argument(
+    job.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompts per step, each a group of episodes (default: 32; hybrid mode: 4)",
+    )
+    job.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="devices, one worker process each (default: the number of cores, at least 2; "
+        "hybrid mode: 2)",
+    )
+    job.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="seed of every run: model, prompts and sampling (default: 0)",
+    )
+    runs = parser.add_argument_group("what runs")
+    runs.add_argument(
         "--mode",
         choices=("sync", "hybrid"),
         default="sync",
-        help="sync: GRPO under dynarl and static schedules; hybrid: asynchronous GRPO with "
-        "hybrid rollout replicas on the trainer's devices (verl-style asynchronous GRPO)",
+        help="sync: GRPO under static sequential, every static split and dynarl; hybrid: "
+        "asynchronous GRPO, standalone-only and with hybrid rollout replicas on the "
+        "trainer's devices (verl-style) (default: sync)",
     )
-    parser.add_argument("--no-live", action="store_true", help="plain log lines, no live view")
-    parser.add_argument("--verbose", action="store_true", help="log the runtime's INFO lines")
+    output = parser.add_argument_group("output")
+    output.add_argument(
+        "--out",
+        default="runs",
+        metavar="OUT",
+        help="parent of the run directory and of the warm-start cache (default: runs)",
+    )
+    output.add_argument(
+        "--no-live",
+        action="store_true",
+        help="plain log lines instead of the live progress table (default: the live table "
+        "when the output is a terminal; sync mode)",
+    )
+    output.add_argument("--verbose", action="store_true", help="also log the runtime's INFO lines")
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -332,7 +419,11 @@ class LiveView:
 
 
 def _argv_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dynarl demo", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="dynarl demo",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     return main(parser.parse_args(argv))
 

@@ -5,6 +5,13 @@ Pure planning (:mod:`._region`, :mod:`._reshard_plan`, :mod:`._layout`,
 torch.distributed; the torch side (:mod:`._groups`, :mod:`._executor`, :mod:`._p2p`)
 carries plans out; :mod:`._megatron_layout` is the only module that knows Megatron-core,
 which it imports lazily.
+
+The three migration kinds are state machines with their I/O injected as a host:
+:class:`WorkloadMigration` (:class:`WorkloadHost`), :class:`P2PGroupMigration`
+(:class:`P2PHost`, every rank; each rank runs a :class:`P2PMigration`) and
+:class:`RebootMigration` (:class:`RebootHost`). Each sequences its own steps, growing from
+or shrinking to no device included; a runtime drives them through the :class:`Migration`
+surface only (``run_to_commit``, then ``commit`` or ``cancel``).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from dynarl.migrate._megatron_layout import (
     state_tensors,
 )
 from dynarl.migrate._p2p import P2PConfig, P2PMigration, ShardedTrainer
+from dynarl.migrate._p2p_group import P2PGroupMigration, P2PHost
 from dynarl.migrate._protocol import (
     KIND_STEPS,
     MigrationState,
@@ -42,6 +50,7 @@ from dynarl.migrate._protocol import (
 from dynarl.migrate._reboot_machine import RebootHost, RebootMigration
 from dynarl.migrate._region import Region, Shard, TensorSpec
 from dynarl.migrate._reshard_plan import ReshardPlan, Transfer, plan_reshard
+from dynarl.migrate._step_runner import Migration
 from dynarl.migrate._trainer_placement import trainer_layout
 
 __all__ = [
@@ -52,9 +61,12 @@ __all__ = [
     "Layout",
     "LayoutGroups",
     "LayoutSpec",
+    "Migration",
     "MigrationState",
     "Outcome",
     "P2PConfig",
+    "P2PGroupMigration",
+    "P2PHost",
     "P2PMigration",
     "ParamSpec",
     "PartialRequest",

@@ -12,6 +12,12 @@ state its framework keeps) and free the old shards; ``close`` then drops the mig
 then ``rollback``, discards what was allocated: the old layout was never touched and
 training goes on. Commands are idempotent per migration id.
 
+In a job the coordinator's :class:`~dynarl.migrate._p2p_group.P2PGroupMigration` sequences
+the steps and sends each to every rank, which runs the method of that step; alone,
+``migrate`` runs them in order. The lease is measured on the injected ``clock``;
+:attr:`P2PMigration.timings` profile this rank's compute with ``time.perf_counter`` and
+are never compared with a lease.
+
 The trainer is injected as a :class:`ShardedTrainer`; the Megatron one lives with the
 caller (see :mod:`._megatron_layout` for the pieces). Methods block; they run in the rank's
 trainer thread (``migrate`` hands them to a worker thread from the rank's event loop).
@@ -35,11 +41,12 @@ from dynarl.migrate._executor import ExecutorConfig, PlanExecutor, TransferRepor
 from dynarl.migrate._groups import CommGroup, LayoutGroups, build_group
 from dynarl.migrate._layout import Layout
 from dynarl.migrate._protocol import (
+    MigrationState,
     Outcome,
     Step,
-    StepRunner,
     begin,
     finish,
+    new_migration,
     record_refusal,
 )
 from dynarl.migrate._region import Shard
@@ -95,7 +102,7 @@ class P2PConfig:
             raise ValueError(f"P2PConfig.backend must be 'gloo' or 'nccl', got {self.backend!r}")
 
 
-class P2PMigration(StepRunner):
+class P2PMigration:
     """One rank's side of a create-before-destroy reshard from ``src`` to ``dst``.
 
     ``epoch`` names the new layout's groups (unique per layout change in the job);
@@ -126,13 +133,26 @@ class P2PMigration(StepRunner):
         self.src, self.dst, self.rank, self.epoch = src, dst, rank, epoch
         self._store, self._trainer = store, trainer
         self._on_interrupt = on_interrupt
-        super().__init__(migration_id, MigrationKind.P2P, lease_s=self.config.lease_s, clock=clock)
+        self._clock = clock
+        self._state = new_migration(
+            migration_id, MigrationKind.P2P, now=clock(), lease_s=self.config.lease_s
+        )
         self.plan = plan
         self.report: TransferReport | None = None
         self.timings: dict[str, float] = {}
         self._group: CommGroup | None = None
         self._groups: LayoutGroups | None = None
         self._executor: PlanExecutor | None = None
+
+    @property
+    def migration_id(self) -> str:
+        """Unique id of the migration."""
+        return self._state.migration_id
+
+    @property
+    def state(self) -> MigrationState:
+        """Where this rank's side of the migration stands."""
+        return self._state
 
     def _run(self, step: Step, action: Callable[[], str]) -> Outcome:
         start = begin(self._state, step, now=self._clock())
@@ -260,6 +280,11 @@ class P2PMigration(StepRunner):
         """Discard the new state and groups; the old layout keeps training."""
         return self._run(Step.ROLLBACK, self._rollback)
 
+    def abandon(self, reason: str) -> Outcome:
+        """Abort (if not committed) and roll back; the rollback outcome (blocks)."""
+        self.abort(reason)
+        return self.rollback()
+
     def _rollback(self) -> str:
         self._trainer.discard(self.dst)
         if self._groups is not None:
@@ -287,8 +312,14 @@ class P2PMigration(StepRunner):
             raise ValueError(
                 f"dest_resources {sorted(dest_resources)} != layout ranks {self.dst.ranks}"
             )
-        for step in (self.prepare, self.transfer, self.verify, self.commit):
-            outcome = await asyncio.to_thread(step)
+        forward = {
+            Step.PREPARE: self.prepare,
+            Step.TRANSFER: self.transfer,
+            Step.VERIFY: self.verify,
+            Step.COMMIT: self.commit,
+        }
+        for step in self._state.steps:
+            outcome = await asyncio.to_thread(forward[step])
             if not outcome.ok:
                 return await self.cancel(outcome.detail)
         await asyncio.to_thread(self.close)
@@ -296,5 +327,4 @@ class P2PMigration(StepRunner):
 
     async def cancel(self, reason: str) -> Outcome:
         """Abort then roll back, in a worker thread; returns the rollback outcome."""
-        await asyncio.to_thread(self.abort, reason)
-        return await asyncio.to_thread(self.rollback)
+        return await asyncio.to_thread(self.abandon, reason)

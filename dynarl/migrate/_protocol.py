@@ -4,8 +4,8 @@ Every migration has an id, a lease (a deadline on the job clock) and an ordered 
 forward steps ending in ``commit``, one sequence per :class:`~dynarl.types.MigrationKind`:
 
 - P2P (trainer reshard): ``prepare → transfer → verify → commit``
-- workload (rollout, inference, reward, tools): ``stop_routing → drain → redispatch →
-  release → commit``
+- workload (rollout, inference, reward, tools): ``grow → stop_routing → drain →
+  redispatch → release → commit``
 - reboot: ``save → stop → restart → load → commit``
 
 Before commit, ``abort`` may come at any step; ``rollback`` then restores the previous
@@ -14,31 +14,26 @@ recorded the first time and does nothing. A forward step after the lease's deadl
 with reason ``lease expired`` and the migration must be rolled back.
 
 :class:`MigrationState` and :func:`begin` / :func:`finish` are pure (no I/O, no clock);
-the executors (:mod:`._p2p`, :mod:`._drain`, :mod:`._reboot_machine`) call :func:`begin` before a
-side effect, perform it only when told to, and record it with :func:`finish`. The
-:class:`Migration` protocol is what the runtime drives: ``interrupt()`` then
-``migrate(dest_resources)``. :class:`StepRunner` is the part the executors share: the
-migration's id, its state and one step run through :func:`run_step`.
+the executors (:mod:`._p2p`, and through :mod:`._step_runner` the others) call
+:func:`begin` before a side effect, perform it only when told to, and record it with
+:func:`finish`; :func:`run_step` is the two around one asynchronous action.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from dynarl.types import MigrationKind
 
 __all__ = [
     "KIND_STEPS",
-    "Migration",
     "MigrationState",
     "Outcome",
     "Start",
     "Step",
-    "StepRunner",
     "begin",
     "finish",
     "new_migration",
@@ -52,6 +47,7 @@ logger = logging.getLogger(__name__)
 class Step(enum.StrEnum):
     """A command of the migration life cycle."""
 
+    GROW = "grow"
     PREPARE = "prepare"
     TRANSFER = "transfer"
     VERIFY = "verify"
@@ -71,6 +67,7 @@ class Step(enum.StrEnum):
 KIND_STEPS: dict[MigrationKind, tuple[Step, ...]] = {
     MigrationKind.P2P: (Step.PREPARE, Step.TRANSFER, Step.VERIFY, Step.COMMIT),
     MigrationKind.WORKLOAD: (
+        Step.GROW,
         Step.STOP_ROUTING,
         Step.DRAIN,
         Step.REDISPATCH,
@@ -237,34 +234,6 @@ def record_refusal(state: MigrationState, start: Start) -> MigrationState:
     return replace(state, done=(*state.done, outcome))
 
 
-class Migration(Protocol):
-    """What the runtime drives for every kind of migration (runs on the worker's loop)."""
-
-    @property
-    def migration_id(self) -> str:
-        """Unique id; commands repeated under it are answered from the log."""
-        ...
-
-    @property
-    def state(self) -> MigrationState:
-        """The current state."""
-        ...
-
-    async def interrupt(self) -> None:
-        """Reach a safe boundary (end of a training step, a query or batch boundary)."""
-        ...
-
-    async def migrate(self, dest_resources: Sequence[int]) -> Outcome:
-        """Run the forward steps to commit onto ``dest_resources``; on a failure, abort
-        and roll back. Returns the commit outcome or the rollback outcome."""
-        ...
-
-    async def cancel(self, reason: str) -> Outcome:
-        """Abort (if not committed) and roll back; the previous allocation stays.
-        Returns the rollback outcome."""
-        ...
-
-
 async def run_step(
     state: MigrationState, step: Step, *, now: float, action: Callable[[], Awaitable[str]]
 ) -> tuple[MigrationState, Outcome]:
@@ -289,31 +258,3 @@ async def run_step(
     outcome = state.outcome(step)
     assert outcome is not None
     return state, outcome
-
-
-class StepRunner:
-    """A migration's id and state, and its steps run one at a time through :func:`run_step`.
-
-    The executors of the kinds (:mod:`._drain`, :mod:`._reboot_machine`, :mod:`._p2p`) build on
-    it; ``clock`` is the job clock their leases are measured on.
-    """
-
-    def __init__(
-        self, migration_id: str, kind: MigrationKind, *, lease_s: float, clock: Callable[[], float]
-    ) -> None:
-        self._clock = clock
-        self._state = new_migration(migration_id, kind, now=clock(), lease_s=lease_s)
-
-    @property
-    def migration_id(self) -> str:
-        """Unique id of the migration."""
-        return self._state.migration_id
-
-    @property
-    def state(self) -> MigrationState:
-        """Where the migration stands."""
-        return self._state
-
-    async def _step(self, step: Step, action: Callable[[], Awaitable[str]]) -> Outcome:
-        self._state, outcome = await run_step(self._state, step, now=self._clock(), action=action)
-        return outcome

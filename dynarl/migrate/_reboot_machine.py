@@ -7,6 +7,11 @@ the new resources official. ``abort`` then ``rollback`` before commit brings the
 back on its old resources: nothing to do before ``stop``; after it, stop whatever was
 restarted on the new resources, start again on the old ones and load the checkpoint.
 
+Either side may be empty: a component that holds no resource yet has nothing to save or
+stop and starts on the new ones from nothing (a rollback stops what it started); one that
+goes down to no resource is stopped and started nowhere. A host that keeps state across
+``stop`` (roles asleep in place) makes both a sleep and a wake.
+
 The component is injected as a :class:`RebootHost` (the runtime implements it). Runs on
 the coordinator's or manager's event loop.
 """
@@ -17,7 +22,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-from dynarl.migrate._protocol import Outcome, Step, StepRunner
+from dynarl.migrate._protocol import Outcome, Step
+from dynarl.migrate._step_runner import Action, StepHook, StepRunner, nothing
 from dynarl.types import MigrationKind
 
 __all__ = ["RebootHost", "RebootMigration"]
@@ -44,7 +50,13 @@ class RebootHost(Protocol):
 
 
 class RebootMigration(StepRunner):
-    """Move a component from ``src_resources`` to ``dest_resources`` by restarting it."""
+    """Move a component from ``src_resources`` to ``dest_resources`` by restarting it.
+
+    ``dest_resources`` may be given here or to :meth:`migrate` / :meth:`restart`.
+    Raises ValueError when both sides are empty.
+    """
+
+    _PAUSED = (Step.SAVE, Step.COMMIT)
 
     def __init__(
         self,
@@ -52,75 +64,89 @@ class RebootMigration(StepRunner):
         migration_id: str,
         src_resources: Sequence[int],
         host: RebootHost,
+        dest_resources: Sequence[int] | None = None,
         lease_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
         on_interrupt: Callable[[], Awaitable[None]] | None = None,
+        on_step: StepHook | None = None,
     ) -> None:
-        if not src_resources:
-            raise ValueError("a reboot migration needs the component's current resources")
+        if not src_resources and dest_resources is not None and not dest_resources:
+            raise ValueError("a reboot migration needs resources on one side at least")
         self.src_resources = tuple(src_resources)
-        self.dest_resources: tuple[int, ...] = ()
+        self.dest_resources: tuple[int, ...] | None = (
+            tuple(dest_resources) if dest_resources is not None else None
+        )
         self.checkpoint: str | None = None
         self._host, self._on_interrupt = host, on_interrupt
-        super().__init__(migration_id, MigrationKind.REBOOT, lease_s=lease_s, clock=clock)
+        super().__init__(
+            migration_id, MigrationKind.REBOOT, lease_s=lease_s, clock=clock, on_step=on_step
+        )
+
+    def _action(self, step: Step) -> Action:
+        actions: dict[Step, Action] = {
+            Step.SAVE: self._save,
+            Step.STOP: self._stop,
+            Step.RESTART: self._restart,
+            Step.LOAD: self._load,
+            Step.COMMIT: nothing,
+            Step.ABORT: nothing,
+            Step.ROLLBACK: self._rollback,
+        }
+        return actions[step]
 
     async def save(self) -> Outcome:
         """Checkpoint the component."""
-        return await self._step(Step.SAVE, self._save)
+        return await self._run(Step.SAVE)
 
     async def _save(self) -> str:
-        self.checkpoint = await self._host.save()
+        if self.src_resources:  # nothing runs: nothing to save
+            self.checkpoint = await self._host.save()
         return ""
 
     async def stop(self) -> Outcome:
         """Stop it on the old resources."""
-        return await self._step(Step.STOP, self._stop)
+        return await self._run(Step.STOP)
 
     async def _stop(self) -> str:
-        await self._host.stop()
+        if self.src_resources:
+            await self._host.stop()
         return ""
 
     async def restart(self, dest_resources: Sequence[int]) -> Outcome:
-        """Start it on ``dest_resources`` (the first call's resources are kept on replay)."""
-        if not self.dest_resources:
+        """Start it on ``dest_resources`` (the first resources given are kept on replay)."""
+        self._destination(dest_resources)
+        return await self._run(Step.RESTART)
+
+    def _destination(self, dest_resources: Sequence[int]) -> None:
+        if self.dest_resources is None:
+            if not self.src_resources and not dest_resources:
+                raise ValueError("a reboot migration needs resources on one side at least")
             self.dest_resources = tuple(dest_resources)
-        return await self._step(Step.RESTART, self._restart)
 
     async def _restart(self) -> str:
-        await self._host.start(self.dest_resources)
+        if self.dest_resources is None:
+            return "no destination resources given"
+        if self.dest_resources:
+            await self._host.start(self.dest_resources)
         return ""
 
     async def load(self) -> Outcome:
         """Restore the checkpoint on the new resources."""
-        return await self._step(Step.LOAD, self._load)
+        return await self._run(Step.LOAD)
 
     async def _load(self) -> str:
-        assert self.checkpoint is not None
-        await self._host.load(self.checkpoint)
+        if self.checkpoint is not None and self.dest_resources:
+            await self._host.load(self.checkpoint)
         return ""
-
-    async def commit(self) -> Outcome:
-        """The new resources are the component's."""
-        return await self._step(Step.COMMIT, self._nothing)
-
-    async def abort(self, reason: str = "aborted") -> Outcome:
-        """Stop before commit; ``rollback`` restores the old resources."""
-        return await self._step(Step.ABORT, self._nothing)
-
-    async def rollback(self) -> Outcome:
-        """Bring the component back on its old resources from the checkpoint."""
-        return await self._step(Step.ROLLBACK, self._rollback)
 
     async def _rollback(self) -> str:
         if self._state.outcome(Step.STOP) is None:
             return ""  # never stopped: it still runs on the old resources
         await self._host.stop()
-        await self._host.start(self.src_resources)
-        if self.checkpoint is not None:
-            await self._host.load(self.checkpoint)
-        return ""
-
-    async def _nothing(self) -> str:
+        if self.src_resources:
+            await self._host.start(self.src_resources)
+            if self.checkpoint is not None:
+                await self._host.load(self.checkpoint)
         return ""
 
     async def interrupt(self) -> None:
@@ -130,21 +156,7 @@ class RebootMigration(StepRunner):
 
     async def migrate(self, dest_resources: Sequence[int]) -> Outcome:
         """Save, stop, restart on ``dest_resources``, load, commit; on a failure, abort and
-        roll back (returns the rollback outcome)."""
-        steps: tuple[Callable[[], Awaitable[Outcome]], ...] = (
-            self.save,
-            self.stop,
-            lambda: self.restart(dest_resources),
-            self.load,
-            self.commit,
-        )
-        for step in steps:
-            outcome = await step()
-            if not outcome.ok:
-                return await self.cancel(outcome.detail)
-        return outcome
-
-    async def cancel(self, reason: str) -> Outcome:
-        """Abort and roll back; returns the rollback outcome."""
-        await self.abort(reason)
-        return await self.rollback()
+        roll back (returns the rollback outcome). Raises ValueError when both sides are
+        empty."""
+        self._destination(dest_resources)
+        return await super().migrate(dest_resources)

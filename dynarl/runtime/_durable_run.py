@@ -21,10 +21,15 @@ published through the store (fsynced, manifest last) and then journalled.
 :meth:`DurableRun.open` resumes: it restores the journal's last checkpoint (fresh roles on
 the allocation in force, state loaded, checksums verified, RNG restored), seeks the source
 back to its cursor and makes the manifest expect the journalled digests of the steps to
-redo, so a resumed job continues the very sample stream. :meth:`DurableRun.recover`
-handles a worker that died: it starts it again, reactivates the serving roles that lived
-there, and says whether a trainer lost state (then :meth:`DurableRun.restore`). Runs on
-the job's (the user's) event loop.
+redo, so a resumed job continues the very sample stream.
+
+A worker that dies outside a migration is handled by the controller as a reclaim of its
+device (``LossHandler``): a trainer that lost a rank then raises WorkerLostError from
+:meth:`DurableRun.train` until it is restored, on the devices it still has or is given.
+:meth:`DurableRun.recover` waits for that handling to end (raising the job's fatal error
+when it cannot go on), starts again a worker that died inside a migration, reactivates
+the serving roles that lived there, and says whether a trainer lost state (then
+:meth:`DurableRun.restore`). Runs on the job's (the user's) event loop.
 """
 
 from __future__ import annotations
@@ -131,6 +136,8 @@ class DurableRun:
         """Steps done by the checkpoint the run last restored (None: never restored)."""
         self.checksums: dict[str, str] = {}
         """Each trainer's checksum after the last restore."""
+        for name in config.trainers:
+            job.controller.manager(name).recoverable = True
         for manager in job.controller.managers.values():
             if manager.dispatcher is not None:
                 manager.dispatcher.accounting = self.manifest
@@ -173,7 +180,8 @@ class DurableRun:
     ) -> dict[str, list[CallResult]]:
         """Train every trainer on ``samples`` (in this order) and close the step.
 
-        Raises what :meth:`Job.call` raises (the step is then not journalled: recover).
+        Raises what :meth:`Job.call` raises (the step is then not journalled: recover);
+        WorkerLostError when a trainer lost a rank (recover, then restore).
         """
         step = self.step
         for sample in samples:
@@ -205,8 +213,7 @@ class DurableRun:
             folder = directory / name
             folder.mkdir()
             async with manager.lock:
-                message = SaveState(component=name, path=str(folder))
-                await self.job.controller.link.ask_all(manager.devices, message, Done)
+                await manager.ask_workers(SaveState(component=name, path=str(folder)), Done)
             metadata[f"{name}.devices"] = ",".join(map(str, manager.devices))
             sums = await self._checksums(name)
             if sums is not None:
@@ -257,7 +264,7 @@ class DurableRun:
             manager = self.job.controller.manager(name)
             message = LoadState(component=name, path=str(Path(ref.path) / name))
             async with manager.lock:
-                await self.job.controller.link.ask_all(manager.devices, message, Done)
+                await manager.ask_workers(message, Done)
             sums = await self._checksums(name)
             expected = manifest.metadata.get(f"{name}.checksum") if manifest else None
             if sums is not None and expected is not None and sums != expected:
@@ -293,6 +300,7 @@ class DurableRun:
             manager.set_devices(devices)
             if devices:
                 await manager.activate(devices, epoch=controller.coordinator.next_epoch())
+            manager.restored()
 
     async def _checksums(self, name: str) -> str | None:
         role = self.job.controller.manager(name).spec.role
@@ -307,16 +315,24 @@ class DurableRun:
     # ------------------------------------------------------------------ faults
 
     async def recover(self, outcome: MoveOutcome | None = None) -> Recovery:
-        """Start dead workers again and reactivate the serving roles that lived there;
-        whether a trainer must be restored (a rank of it died, or ``outcome`` — the
-        last move's — left a trainer's migration failed).
+        """Wait until the controller handled every worker that died outside a migration
+        (its device reclaimed), start again those that died inside one and reactivate
+        the serving roles that lived there; whether a trainer must be restored (a rank
+        of it died, or ``outcome`` — the last move's — left a trainer's migration failed).
 
-        Raises WorkerError / TimeoutError as :meth:`Job.respawn` does.
+        Raises the fatal WorkerLostError when the job cannot go on, WorkerError /
+        TimeoutError as :meth:`Job.respawn` does.
         """
-        respawned = await self.job.respawn()
         controller = self.job.controller
+        await controller.settled()
+        running = self.job.workers()
+        dead = {d for d in range(self.job.num_devices) if d not in running}
+        respawned: tuple[int, ...] = ()
+        if dead - controller.link.losses.reclaimed:  # a reclaimed device is not started again
+            respawned = await self.job.respawn()
         allocation = controller.allocation
         lost = any(set(allocation.devices(t)) & set(respawned) for t in self.config.trainers)
+        lost = lost or any(controller.manager(t).lost is not None for t in self.config.trainers)
         if outcome is not None:
             trainers = self.config.trainers
             lost = lost or any(

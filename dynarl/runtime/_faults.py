@@ -6,7 +6,8 @@ a device). Before the coordinator runs that step it asks the :class:`FaultInject
 which applies the first armed :class:`Fault` for the phase:
 
 - ``fail``: the step fails (:class:`InjectedFault`) and the move rolls back;
-- ``stall``: the step waits until the migration's lease has lapsed, so it is refused;
+- ``stall``: the step waits, on the migration's clock, until its lease has lapsed, so it
+  is refused (instantly in virtual time);
 - ``kill``: the worker of ``device`` is sent SIGKILL, then the step runs;
 - ``kill_controller``: this process (the controller) is sent SIGKILL (a restart test);
 - ``drop`` / ``duplicate`` / ``reorder``: faults of the step's control messages, applied
@@ -23,16 +24,15 @@ controller's event loop.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 import os
 import signal
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from dynarl.errors import MigrationError
+from dynarl.sched import Clock, MonotonicClock
 
 __all__ = ["Fault", "FaultAction", "FaultInjector", "InjectedFault"]
 
@@ -102,10 +102,10 @@ class FaultInjector:
         """Add ``fault``; it fires at the next ``fault.times`` steps of its phase."""
         self._armed.append(_Armed(fault=fault, left=fault.times))
 
-    async def at(self, phase: str, *, deadline: float) -> Fault | None:
+    async def at(self, phase: str, *, deadline: float, clock: Clock | None = None) -> Fault | None:
         """Apply the fault armed for ``phase`` if any and return it (message faults are
-        the caller's to apply); ``deadline`` is the lease's (``time.monotonic()``).
-        Raises InjectedFault for a ``fail`` fault."""
+        the caller's to apply); ``deadline`` is the lease's, on ``clock`` (default: the
+        monotonic clock). Raises InjectedFault for a ``fail`` fault."""
         for entry in self._armed:
             fault = entry.fault
             if fault.phase != phase or entry.left <= 0:
@@ -117,7 +117,8 @@ class FaultInjector:
                 case FaultAction.FAIL:
                     raise InjectedFault(f"injected failure at {phase}")
                 case FaultAction.STALL:
-                    await asyncio.sleep(max(0.0, deadline - time.monotonic()) + 0.05)
+                    clock = clock if clock is not None else MonotonicClock()
+                    await clock.sleep(deadline - clock.now() + 0.05)
                 case FaultAction.KILL:
                     if self._kill is None:
                         raise InjectedFault(f"cannot kill at {phase}: no launcher")

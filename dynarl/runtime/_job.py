@@ -39,15 +39,17 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import secrets
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import TracebackType
 
+from dynarl._resource import AsyncResource, stage
 from dynarl.bus import Channel, MetaValue, Sample
-from dynarl.errors import WorkerError
+from dynarl.errors import IntegrityError, WorkerError
 from dynarl.runtime._faults import FaultInjector
 from dynarl.runtime._graph_check import GraphCheck, check_roles
 from dynarl.runtime._spec import ComponentSpec, RuntimeConfig
@@ -101,13 +103,33 @@ class JobConfig:
             raise ValueError(f"JobConfig.num_devices must be >= 1, got {self.num_devices}")
 
 
-class Job:
+class Job(AsyncResource):
     """A dynarl job embedded in the caller's event loop (see the module docstring).
 
     ``predictor`` replaces the scheduler's default throughput predictor (a
     :class:`~dynarl.sched.RegressionPredictor` over the components' profiles). Raises
-    ValueError for bad component specs; entering raises WorkerError when a worker process
-    dies during start-up and TimeoutError when they do not all register in time.
+    ValueError for bad component specs. Constructing does no I/O: entering opens, in this
+    order (each a named start-up stage):
+
+    ============================  =================================================
+    ``journal open``              the allocation journal (``durable`` jobs), and the
+                                  allocation recovered from it: IntegrityError
+    ``store``                     the job's TCPStore: WorkerError
+    ``publisher``                 the event publisher: BusError
+    ``bus bind``                  the bus server and the managers' endpoints: BusError
+    ``metrics port``              the Prometheus endpoint: DynarlError
+    ``worker spawn``              one worker process per device: WorkerError
+    ``worker registration``       every worker registered on the bus (a worker that
+                                  dies, or ``start_timeout_s``): WorkerError
+    ``rendezvous``                every component activated on its devices (the
+                                  workers build their process groups over the
+                                  store): WorkerError
+    ============================  =================================================
+
+    A stage that fails raises that error with the message ``start-up failed at stage
+    '<stage>': <cause type>: <cause>``, chained to the cause, once whatever opened before
+    it is closed again in reverse order. Leaving the ``async with`` block closes
+    everything the same way, whether the block ends, raises or is cancelled.
     """
 
     def __init__(
@@ -123,22 +145,19 @@ class Job:
         self.config = config or JobConfig()
         held = [d for spec in components for d in spec.devices]
         self.num_devices = self.config.num_devices or (max(held) + 1 if held else 1)
-        self.run_dir = Path(self.config.run_dir or tempfile.mkdtemp(prefix="dynarl-job-"))
-        self.journal: Journal | None = None
-        """The allocation journal (``durable`` jobs)."""
-        if self.config.durable and journal is None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.journal = journal = Journal(self.run_dir / "journal", job="dynarl")
-            components = _recovered(components, self.journal)
-        self._controller = Controller(
-            components,
-            num_devices=self.num_devices,
-            run_dir=self.run_dir,
-            config=self.config.runtime,
-            kill=self._kill,
-            journal=journal,
-            predictor=predictor,
+        self._temporary = self.config.run_dir is None
+        self.run_dir = (
+            Path(tempfile.gettempdir(), f"dynarl-job-{secrets.token_hex(8)}")
+            if self.config.run_dir is None
+            else Path(self.config.run_dir)
         )
+        """The run directory (created when the job starts)."""
+        self.journal: Journal | None = None
+        """The allocation journal (``durable`` jobs, once started)."""
+        self._components = tuple(components)
+        self._given_journal = journal
+        self._predictor = predictor
+        self._controller = self._new_controller(self._components, journal)
         self._launcher = LocalLauncher(
             python=self.config.python,
             env=self.config.worker_env,
@@ -147,46 +166,61 @@ class Job:
         self._modules = tuple(sorted({spec.role.__module__ for spec in components}))
         self._ids = itertools.count(1)
         self._iteration = 0
-        self._open = False
+
+    def _new_controller(
+        self, components: Sequence[ComponentSpec], journal: AllocationJournal | None
+    ) -> Controller:
+        return Controller(
+            components,
+            num_devices=self.num_devices,
+            run_dir=self.run_dir,
+            config=self.config.runtime,
+            kill=self._kill,
+            journal=journal,
+            predictor=self._predictor,
+        )
 
     # ------------------------------------------------------------------ life cycle
 
-    async def __aenter__(self) -> Job:
-        await self._controller.__aenter__()
-        self._open = True
-        try:
-            devices = range(self.num_devices)
+    async def _open(self, stack: AsyncExitStack) -> None:
+        if self._temporary:
+            self.run_dir.mkdir(mode=0o700)
+        else:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.durable and self._given_journal is None:
+            with stage("journal open", IntegrityError):
+                self.journal = journal = Journal(self.run_dir / "journal", job="dynarl")
+                stack.callback(journal.close)
+                recovered = _recovered(self._components, journal)
+                self._controller = self._new_controller(recovered, journal)
+        # The launcher before the controller: workers are told to leave over the bus
+        # before their processes are stopped.
+        launcher = await stack.enter_async_context(self._launcher)
+        await stack.enter_async_context(self._controller)
+        devices = range(self.num_devices)
+        with stage("worker spawn", WorkerError):
             for device in devices:
-                self._launcher.spawn(self._options(device))
-            specs = list(self._controller.specs.values())
-            self._report_graph(await asyncio.to_thread(check_roles, specs))
-            await self._controller.wait_for_workers(devices, alive=self._check_alive)
+                launcher.spawn(self._options(device))
+        specs = list(self._controller.specs.values())
+        self._report_graph(await asyncio.to_thread(check_roles, specs))
+        with stage("worker registration", WorkerError):
+            await self._wait_for_workers(devices)
+        with stage("rendezvous", WorkerError):
             await self._controller.start_roles()
-        except BaseException:
-            await self.aclose()
-            raise
         logger.info("job started: %d workers, run directory %s", self.num_devices, self.run_dir)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
-        """Tell every worker to leave, stop the controller, stop every process started."""
-        if not self._open:
-            return
-        self._open = False
+        """Tell every worker to leave, stop the controller, stop every process started,
+        close the journal: in reverse order of opening (idempotent)."""
+        await super().aclose()
+
+    async def _wait_for_workers(self, devices: Sequence[int]) -> None:
         try:
-            await self._controller.aclose()
-        finally:
-            await self._launcher.stop()
-            if self.journal is not None:
-                self.journal.close()
+            await self._controller.wait_for_workers(devices, alive=self._check_alive)
+        except TimeoutError:
+            missing = sorted(set(devices) - self._controller.link.registered())
+            seconds = self.config.runtime.start_timeout_s
+            raise TimeoutError(f"workers {missing} did not register within {seconds:g} s") from None
 
     async def respawn(self) -> tuple[int, ...]:
         """Start again every worker process of this job that died, and wait until each

@@ -20,19 +20,20 @@ first. A component with no device and nothing queued is never limiting (its rema
 work is zero), so it is no reason to move while its predecessors still work.
 
 Work per round is O(components × size points + candidates × components), independent of
-the GPU count. Pure: everything comes in as arguments.
+the GPU count. Pure: everything comes in as one :class:`~dynarl.sched._decision.RoundInput`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from dynarl.sched._decision import Candidate, MigrationCost, Resize
+from dynarl.bus import NoFeasibleReduction, NoMovableDonor
+from dynarl.sched._decision import Candidate, MigrationCost, Resize, RoundInput
 from dynarl.sched._graph import HyperNode
 from dynarl.sched._predictor import ThroughputPredictor
 from dynarl.sched._sched_config import SchedulerConfig
@@ -53,7 +54,7 @@ class Evaluation:
     candidates: tuple[Candidate, ...]
     num_levels: int
     exhaustive: bool
-    note: str = ""
+    note: NoMovableDonor | NoFeasibleReduction | None = None
     """Why there are no candidates, when there are none."""
 
 
@@ -100,32 +101,24 @@ class _Context:
         return sizes
 
 
-def evaluate(
-    *,
-    nodes: Mapping[str, HyperNode],
-    counts: Mapping[str, int],
-    num_free: int,
-    stats: Mapping[str, ComponentStats],
-    donors: Sequence[str],
-    predictor: ThroughputPredictor,
-    cost: MigrationCost,
-    config: SchedulerConfig,
-) -> Evaluation:
-    """Rank the candidate reallocations of ``donors``' devices (and the free ones).
+def evaluate(inputs: RoundInput) -> Evaluation:
+    """Rank the candidate reallocations of the round's donors' devices (and the free ones).
 
     Only interruptible components with a report and a non-zero prediction take part;
-    the others keep their size. Calls ``cost.estimate`` once per candidate.
+    the others keep their size. Calls ``inputs.cost.estimate`` once per candidate.
     """
-    ctx, known = _setup(nodes, counts, num_free, stats, predictor, config)
-    current = _candidate(ctx, None, dict(ctx.counts), known, num_free)
+    ctx, known = _setup(inputs)
+    current = _candidate(ctx, None, dict(ctx.counts), known, ctx.num_free)
+    nodes, stats = inputs.nodes, inputs.stats
     movable = {n for n in known if nodes[n].interruptible and stats[n].interruptible}
-    donor_list = [d for d in donors if d in movable]
-    if num_free and not donor_list:
+    donor_list = [d.component for d in inputs.donors if d.component in movable]
+    if ctx.num_free and not donor_list:
         donor_list = [""]
     if not donor_list:
         return Evaluation(
-            current=current, candidates=(), num_levels=0, exhaustive=True, note="no movable donor"
+            current=current, candidates=(), num_levels=0, exhaustive=True, note=NoMovableDonor()
         )
+    config = inputs.config
     budget = max(3, config.num_candidates // len(donor_list))
     found: dict[tuple[tuple[str, int], ...], Candidate] = {}
     num_levels, exhaustive = 0, True
@@ -139,48 +132,34 @@ def evaluate(
         exhaustive &= len(levels) <= limit
         picked = [sizes[index] for index in _pick(len(levels), limit)]
         for cand in _candidates(ctx, donor or None, picked, known):
-            found.setdefault(cand.sizes, _charge(cand, current, ctx, cost))
+            found.setdefault(cand.sizes, _charge(cand, current, ctx, inputs.cost))
     exhaustive &= not ctx.truncated
     ranked = sorted(found.values(), key=lambda c: _rank(c, ctx.counts))
-    note = "" if ranked else "no feasible reduction reaches a higher throughput"
     return Evaluation(
         current=current,
         candidates=tuple(ranked),
         num_levels=num_levels,
         exhaustive=exhaustive,
-        note=note,
+        note=None if ranked else NoFeasibleReduction(),
     )
 
 
-def assess(
-    *,
-    nodes: Mapping[str, HyperNode],
-    counts: Mapping[str, int],
-    num_free: int,
-    stats: Mapping[str, ComponentStats],
-    predictor: ThroughputPredictor,
-    config: SchedulerConfig,
-) -> Candidate:
-    """The predicted numbers of the allocation ``counts`` as it is."""
-    ctx, known = _setup(nodes, counts, num_free, stats, predictor, config)
-    return _candidate(ctx, None, dict(ctx.counts), known, num_free)
+def assess(inputs: RoundInput) -> Candidate:
+    """The predicted numbers of the round's allocation as it is."""
+    ctx, known = _setup(inputs)
+    return _candidate(ctx, None, dict(ctx.counts), known, ctx.num_free)
 
 
-def _setup(
-    nodes: Mapping[str, HyperNode],
-    counts: Mapping[str, int],
-    num_free: int,
-    stats: Mapping[str, ComponentStats],
-    predictor: ThroughputPredictor,
-    config: SchedulerConfig,
-) -> tuple[_Context, set[str]]:
+def _setup(inputs: RoundInput) -> tuple[_Context, set[str]]:
+    nodes, stats, counts = inputs.nodes, inputs.stats, inputs.counts()
+    num_free = len(inputs.free)
     ctx = _Context(
         nodes=nodes,
-        counts={name: int(counts.get(name, 0)) for name in nodes},
+        counts=counts,
         num_free=num_free,
         stats=stats,
-        predictor=predictor,
-        config=config,
+        predictor=inputs.predictor,
+        config=inputs.config,
         total=sum(counts.values()) + num_free,
     )
     # A component with nothing left is never limiting; otherwise a zero prediction at a

@@ -1,4 +1,5 @@
-"""What a decision round returns: candidates, device moves, the frozen Decision; the cost protocol.
+"""What a decision round takes and returns: the frozen RoundInput, candidates, device moves,
+the frozen Decision; the cost protocol.
 
 ``sched`` never imports ``migrate``: the cost of a move comes through the
 :class:`MigrationCost` protocol defined here and injected by the caller (the runtime
@@ -11,7 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from dynarl.bus import DecisionRecord, RejectedCandidate
+from dynarl.bus import CandidateReason, DecisionReason, DecisionRecord, RejectedCandidate
+from dynarl.sched._graph import HyperNode
+from dynarl.sched._predictor import ThroughputPredictor
+from dynarl.sched._sched_config import SchedulerConfig
+from dynarl.sched._window import ComponentStats, DonorSignal
 from dynarl.types import Allocation, MigrationKind
 
 __all__ = [
@@ -22,6 +27,7 @@ __all__ = [
     "MigrationCost",
     "Rejection",
     "Resize",
+    "RoundInput",
     "StaticMigrationCost",
 ]
 
@@ -84,6 +90,39 @@ class StaticMigrationCost:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class RoundInput:
+    """Everything one decision round reads: the pipeline, its devices and reports, the models.
+
+    :func:`~dynarl.sched._planner.decide` and :func:`~dynarl.sched._planner.hold` take one,
+    and so do the Stage 2 functions they call; the scheduler (or a test) builds it once a
+    round.
+    """
+
+    nodes: Mapping[str, HyperNode]
+    """The components, by name."""
+    allocation: Allocation
+    """Devices per component in force."""
+    free: tuple[int, ...] = ()
+    """Devices of the job's quota no component holds."""
+    stats: Mapping[str, ComponentStats]
+    """Each reporting component's window statistics and latest report."""
+    donors: tuple[DonorSignal, ...] = ()
+    """Components Stage 1 flagged as over-provisioned."""
+    predictor: ThroughputPredictor
+    """Predicts each component's throughput at a size."""
+    cost: MigrationCost
+    """Predicts what a set of resizes costs."""
+    config: SchedulerConfig
+    """The scheduler's settings."""
+    time: float
+    """Clock time of the round, seconds."""
+
+    def counts(self) -> dict[str, int]:
+        """Devices each component of ``nodes`` holds."""
+        return {name: self.allocation.count(name) for name in self.nodes}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Candidate:
     """One allocation Stage 2 evaluated, with every predicted number."""
 
@@ -118,7 +157,7 @@ class Rejection:
     """A candidate not committed, and why."""
 
     candidate: Candidate
-    reason: str
+    reason: CandidateReason
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -138,7 +177,7 @@ class Decision:
     """Clock time of the round, seconds."""
     committed: bool
     """Whether ``chosen`` is to be carried out."""
-    reason: str
+    reason: DecisionReason
     """Why it committed or did not."""
     old_allocation: Allocation
     """Devices per component before the round."""

@@ -2,7 +2,9 @@
 
 The scheduler reads time only from a :class:`Clock`, takes :data:`SchedulerEvent` s, and
 hands :class:`MigrationCommand` s to a :class:`CommandSink`; these are the seams through
-which the runtime (real time, ZeroMQ) and the simulator (virtual time) drive it.
+which the runtime (real time, ZeroMQ) and the simulator (virtual time) drive it. The
+runtime's coordinator, drivers and leases read and wait on the same :class:`Clock`, so
+under a :class:`ManualClock` a lease lapses and a step times out in virtual time.
 """
 
 from __future__ import annotations
@@ -34,10 +36,16 @@ __all__ = [
 
 @runtime_checkable
 class Clock(Protocol):
-    """Where the scheduler reads the time (seconds, any epoch)."""
+    """Where the scheduler reads the time (seconds, any epoch), and where the runtime
+    waits for a lease or a step timeout to lapse."""
 
     def now(self) -> float:
         """The current time."""
+        ...
+
+    async def sleep(self, seconds: float) -> None:
+        """Return once ``seconds`` (<= 0: none) have passed on this clock; runs on the
+        caller's loop."""
         ...
 
 
@@ -47,6 +55,10 @@ class MonotonicClock:
     def now(self) -> float:
         """``time.monotonic()``."""
         return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        """``asyncio.sleep``: the loop's clock is monotonic too."""
+        await asyncio.sleep(max(0.0, seconds))
 
 
 @dataclass(slots=True)
@@ -58,6 +70,13 @@ class ManualClock:
     def now(self) -> float:
         """The time last set."""
         return self.time
+
+    async def sleep(self, seconds: float) -> None:
+        """Virtual time: jump forward by ``seconds`` at once, then let the loop's other
+        tasks run before returning. Each sleeper moves the clock itself, so waits that
+        overlap add up: meant for one waiter at a time (a test's lease or timeout)."""
+        self.advance(max(0.0, seconds))
+        await asyncio.sleep(0)
 
     def advance(self, seconds: float) -> float:
         """Move forward by ``seconds`` (>= 0); returns the new time."""
@@ -111,6 +130,10 @@ class QuotaChange:
 
     granted: tuple[int, ...] = ()
     reclaimed: tuple[int, ...] = ()
+    lost: bool = False
+    """The reclaimed devices are gone already (their workers died): a component they
+    leave below its minimum, or with no device, is given devices from the free ones or
+    from a component that can spare them, rather than the change being refused."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

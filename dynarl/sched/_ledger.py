@@ -21,10 +21,12 @@ predicted throughputs (a job holding round after round) are written as one
 that does not join it, every ``max_rounds_per_line`` rounds, at :meth:`Ledger.flush` and
 at :meth:`Ledger.close` — and :meth:`Ledger.load` expands it back into the very rounds
 (a ledger without such lines reads the same way). Memory and listeners see every
-round at once. Runs on the controller, in the scheduler's loop; appends are
-small and flushed, not fsynced (the allocation journal is the runtime's durable record):
-a crash loses at most the pending run of uncommitted rounds (``max_rounds_per_line``, 30 by
-default: half a minute of holds at one round a second).
+round at once. Reasons are written as their tagged structs; :meth:`Ledger.load` also
+reads ledgers written when reasons were sentences, turning each sentence back into its
+struct (see :mod:`dynarl.sched._ledger_legacy`). Runs on the controller, in the
+scheduler's loop; appends are small and flushed, not fsynced (the allocation journal is the
+runtime's durable record): a crash loses at most the pending run of uncommitted rounds
+(``max_rounds_per_line``, 30 by default: half a minute of holds at one round a second).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import IO, Any, Literal
 import msgspec
 
 from dynarl.bus import DecisionRecord, MigrationRecord
+from dynarl.sched._ledger_legacy import upgrade_line
 from dynarl.sched._ledger_records import (
     GraphFindingRecord,
     ObservationRecord,
@@ -63,6 +66,20 @@ RecordKind = Literal["decision", "migration", "safety", "observation", "graph"]
 _ENCODER = msgspec.json.Encoder()
 # Lax decoding reads the strings "inf", "-inf" and "nan" back into float fields.
 _DECODER = msgspec.json.Decoder(LedgerRecord | RoundsRecord, strict=False)
+
+
+def _decode(line: bytes) -> LedgerRecord | RoundsRecord:
+    """One ledger line's record; a line whose reasons are sentences is upgraded first.
+
+    Raises msgspec.DecodeError (a ValueError) for a line that is neither.
+    """
+    record: LedgerRecord | RoundsRecord
+    try:
+        record = _DECODER.decode(line)
+    except msgspec.ValidationError:
+        upgraded = upgrade_line(msgspec.json.decode(line))
+        record = msgspec.convert(upgraded, LedgerRecord | RoundsRecord, strict=False)
+    return record
 
 
 def _record_kind(record: LedgerRecord) -> RecordKind:
@@ -154,7 +171,7 @@ class Ledger:
                 if not line.strip():
                     continue
                 try:
-                    record = _DECODER.decode(line)
+                    record = _decode(line)
                     records = record.rounds() if isinstance(record, RoundsRecord) else [record]
                 except (msgspec.DecodeError, ValueError) as err:
                     raise ValueError(f"{path}:{number}: bad ledger record: {err}") from None
@@ -254,7 +271,7 @@ class Ledger:
         migration's component, an observation's components and a graph finding's
         component and edge ends; ``committed`` matches a
         decision's flag and a migration's ``outcome == "committed"`` (other records never
-        match it); ``reason`` is a substring of the record's reason.
+        match it); ``reason`` is a substring of the record's reason (its sentence).
         """
         out = [
             r
@@ -264,7 +281,7 @@ class Ledger:
             and (until is None or r.time <= until)
             and (component is None or component in _components(r))
             and (committed is None or _committed(r) == committed)
-            and (reason is None or reason in getattr(r, "reason", ""))
+            and (reason is None or reason in str(getattr(r, "reason", "")))
         ]
         return sorted(out, key=lambda r: (r.time, _record_id(r)))
 

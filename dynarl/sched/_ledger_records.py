@@ -28,7 +28,7 @@ from typing import Literal
 
 import msgspec
 
-from dynarl.bus import DecisionRecord
+from dynarl.bus import DecisionReason, DecisionRecord
 
 __all__ = [
     "ComponentObservation",
@@ -127,7 +127,7 @@ class RoundsRecord(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Every round's id, in order (the first's included)."""
     times: tuple[float, ...]
     """Every round's job-clock time, seconds."""
-    reasons: tuple[str, ...] = ()
+    reasons: tuple[DecisionReason, ...] = ()
     """Every round's reason; empty when every round has the first's."""
     throughput_old: tuple[float, ...] = ()
     """Every round's ``predicted_throughput_old``; empty when every round has the first's."""
@@ -196,13 +196,13 @@ def fold_rounds(rounds: Sequence[DecisionRecord]) -> DecisionRecord | RoundsReco
         first=first,
         decision_ids=tuple(r.decision_id for r in rounds),
         times=tuple(r.time for r in rounds),
-        reasons=() if all(r == first.reason for r in reasons) else reasons,
+        reasons=() if _constant(reasons) else reasons,
         throughput_old=() if _constant(old) else old,
         throughput_new=() if _constant(new) else new,
     )
 
 
-def _constant(values: tuple[float, ...]) -> bool:
-    """Every value is the first, bit for bit."""
+def _constant(values: tuple[float, ...] | tuple[DecisionReason, ...]) -> bool:
+    """Every value is the first, bit for bit (a reason's numbers included)."""
     first = _PACK.encode(values[0])
     return all(_PACK.encode(v) == first for v in values)

@@ -14,137 +14,116 @@ one that saves strictly more than ``min_gain_s`` after its migration cost and wh
 groups can stay node-local, and turns it into concrete device moves (a shrinking component
 with registered workers gives up its least-utilized ones, by its latest report). :func:`hold` is the
 round's record when the scheduler does not get as far as Stage 2 (no donor, safe mode,
-minimum interval, a move in flight). Runs in the scheduler's loop or the simulator.
+minimum interval, a move in flight). Both read one :class:`~dynarl.sched._decision.RoundInput`
+and give their reasons as the typed structs of :mod:`dynarl.bus._decision_reasons`. Runs in
+the scheduler's loop or the simulator.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from dynarl.bus import (
+    CandidateReason,
+    Commit,
+    DecisionReason,
+    FinishesLater,
+    HoldReason,
+    InfeasiblePlacement,
+    MinimumInterval,
+    MoveInFlight,
+    NotBetterAfterCost,
+    Rejected,
+    SafeMode,
+    SavesLess,
+)
 from dynarl.errors import SchedulingError
 from dynarl.sched._candidates import assess, evaluate
-from dynarl.sched._decision import Candidate, Decision, DeviceMove, MigrationCost, Rejection
+from dynarl.sched._decision import Candidate, Decision, DeviceMove, Rejection, RoundInput
 from dynarl.sched._device_placement import place
-from dynarl.sched._graph import HyperNode
-from dynarl.sched._predictor import ThroughputPredictor
 from dynarl.sched._sched_config import SchedulerConfig
-from dynarl.sched._window import ComponentStats, DonorSignal
-from dynarl.types import Allocation
 
 __all__ = ["Safety", "decide", "hold"]
 
 
-def decide(
-    *,
-    nodes: Mapping[str, HyperNode],
-    allocation: Allocation,
-    free: Sequence[int],
-    stats: Mapping[str, ComponentStats],
-    donors: Sequence[DonorSignal],
-    predictor: ThroughputPredictor,
-    cost: MigrationCost,
-    config: SchedulerConfig,
-    time: float,
-) -> Decision:
-    """Stage 2 over ``donors`` (and any free devices): the round's :class:`Decision`."""
-    counts = {name: allocation.count(name) for name in nodes}
-    evaluation = evaluate(
-        nodes=nodes,
-        counts=counts,
-        num_free=len(free),
-        stats=stats,
-        donors=[d.component for d in donors],
-        predictor=predictor,
-        cost=cost,
-        config=config,
-    )
+def decide(inputs: RoundInput) -> Decision:
+    """Stage 2 over the round's donors (and any free devices): the round's :class:`Decision`."""
+    evaluation = evaluate(inputs)
     chosen: Candidate | None = None
     moves: tuple[DeviceMove, ...] = ()
     rejected: list[Rejection] = []
     for cand in evaluation.candidates:
+        reason: CandidateReason
         if chosen is not None:
-            reason = (
-                f"saves {cand.gain_s:.3f} s, less than the chosen {chosen.gain_s:.3f} s"
-                if math.isfinite(chosen.gain_s)
-                else f"finishes in {cand.remaining_s + cand.cost_s:.3f} s, later than the "
-                f"chosen {chosen.remaining_s + chosen.cost_s:.3f} s"
-            )
-        elif not cand.gain_s > config.min_gain_s:
-            reason = (
-                f"not better after cost: saves {cand.gain_s:.3f} s net of "
-                f"{cand.cost_s:.3f} s migration, needs more than {config.min_gain_s} s"
+            reason = _worse_than(cand, chosen)
+        elif not cand.gain_s > inputs.config.min_gain_s:
+            reason = NotBetterAfterCost(
+                gain_s=cand.gain_s, cost_s=cand.cost_s, min_gain_s=inputs.config.min_gain_s
             )
         else:
             try:
-                moves = place(
-                    allocation,
-                    free,
-                    dict(cand.sizes),
-                    nodes,
-                    config.num_devices_per_node,
-                    load={name: s.latest.utilization for name, s in stats.items()},
-                )
+                moves = _place(inputs, cand)
             except SchedulingError as err:
-                reason = f"infeasible placement: {err}"
+                reason = InfeasiblePlacement(detail=str(err))
             else:
                 chosen = cand
                 continue
         rejected.append(Rejection(candidate=cand, reason=reason))
+    outcome: DecisionReason
     if chosen is not None:
-        gain = "all remaining work" if math.isinf(chosen.gain_s) else f"{chosen.gain_s:.3f} s"
-        reason = (
-            f"commit: saves {gain} net of {chosen.cost_s:.3f} s migration; "
-            f"bottleneck {chosen.bottleneck}"
-        )
+        outcome = Commit(gain_s=chosen.gain_s, cost_s=chosen.cost_s, bottleneck=chosen.bottleneck)
     elif rejected:
-        reason = f"rejected: {rejected[0].reason}"
+        outcome = Rejected(why=rejected[0].reason)
     else:
-        reason = f"rejected: {evaluation.note}"
+        assert evaluation.note is not None, "no candidates without a note"
+        outcome = Rejected(why=evaluation.note)
     return Decision(
-        time=time,
+        time=inputs.time,
         committed=chosen is not None,
-        reason=reason,
-        old_allocation=allocation,
+        reason=outcome,
+        old_allocation=inputs.allocation,
         current=evaluation.current,
         chosen=chosen,
         moves=moves,
-        donors=tuple(d.component for d in donors),
+        donors=tuple(d.component for d in inputs.donors),
         rejected=tuple(rejected),
         num_levels=evaluation.num_levels,
         exhaustive=evaluation.exhaustive,
     )
 
 
-def hold(
-    *,
-    reason: str,
-    nodes: Mapping[str, HyperNode],
-    allocation: Allocation,
-    free: Sequence[int],
-    stats: Mapping[str, ComponentStats],
-    predictor: ThroughputPredictor,
-    config: SchedulerConfig,
-    time: float,
-    donors: Sequence[DonorSignal] = (),
-) -> Decision:
-    """A round that commits nothing for ``reason``, with the current predicted numbers."""
-    current = assess(
-        nodes=nodes,
-        counts={name: allocation.count(name) for name in nodes},
-        num_free=len(free),
-        stats=stats,
-        predictor=predictor,
-        config=config,
+def _worse_than(cand: Candidate, chosen: Candidate) -> SavesLess | FinishesLater:
+    """Why ``cand``, ranked after the ``chosen`` one, is not it."""
+    if math.isfinite(chosen.gain_s):
+        return SavesLess(gain_s=cand.gain_s, chosen_gain_s=chosen.gain_s)
+    return FinishesLater(
+        finish_s=cand.remaining_s + cand.cost_s, chosen_finish_s=chosen.remaining_s + chosen.cost_s
     )
+
+
+def _place(inputs: RoundInput, cand: Candidate) -> tuple[DeviceMove, ...]:
+    """The device moves that give ``cand`` its sizes; raises SchedulingError if none can."""
+    return place(
+        inputs.allocation,
+        inputs.free,
+        dict(cand.sizes),
+        inputs.nodes,
+        inputs.config.num_devices_per_node,
+        load={name: s.latest.utilization for name, s in inputs.stats.items()},
+    )
+
+
+def hold(reason: DecisionReason, inputs: RoundInput) -> Decision:
+    """A round that commits nothing for ``reason``, with the current predicted numbers."""
     return Decision(
-        time=time,
+        time=inputs.time,
         committed=False,
         reason=reason,
-        old_allocation=allocation,
-        current=current,
-        donors=tuple(d.component for d in donors),
+        old_allocation=inputs.allocation,
+        current=assess(inputs),
+        donors=tuple(d.component for d in inputs.donors),
     )
 
 
@@ -170,15 +149,15 @@ class Safety:
         """Whether safe mode is on."""
         return self.safe_since is not None
 
-    def gate(self, now: float, config: SchedulerConfig) -> str | None:
+    def gate(self, now: float, config: SchedulerConfig) -> HoldReason | None:
         """Why no move may start at ``now``, or None if one may."""
         if self.safe:
-            return f"safe mode: {self.safe_reason}"
+            return SafeMode(why=self.safe_reason)
         if self.in_flight is not None:
-            return f"move {self.in_flight} still in flight"
+            return MoveInFlight(decision_id=self.in_flight)
         wait = self.last_move_end + config.min_move_interval_s - now
         if wait > 0:
-            return f"minimum interval between moves: {wait:.3f} s to go"
+            return MinimumInterval(wait_s=wait)
         return None
 
     def started(self, decision_id: str) -> Safety:

@@ -21,8 +21,16 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from dynarl.bus import ComponentReport
-from dynarl.sched._decision import Decision, MigrationCost
+from dynarl.bus import (
+    Commit,
+    ComponentReport,
+    DecisionReason,
+    NoDonor,
+    ObserveOnly,
+    QuotaRefused,
+    Reclaim,
+)
+from dynarl.sched._decision import Decision, MigrationCost, RoundInput
 from dynarl.sched._effects import MoveEffects, observe
 from dynarl.sched._events import (
     Clock,
@@ -40,7 +48,7 @@ from dynarl.sched._planner import Safety, decide, hold
 from dynarl.sched._predictor import ThroughputPredictor
 from dynarl.sched._quota import plan_quota_change
 from dynarl.sched._sched_config import SchedulerConfig
-from dynarl.sched._window import DonorSignal, WindowSet, detect_donors
+from dynarl.sched._window import ComponentStats, DonorSignal, WindowSet, detect_donors
 from dynarl.types import Allocation
 
 __all__ = ["Scheduler"]
@@ -244,28 +252,18 @@ class Scheduler:
         """Run one decision round at ``now`` and record it; returns its commands."""
         self._counters.last_round = now
         self.predictor.refit()
-        nodes = self.nodes
         stats = self.windows.stats()
         cooldown = f"cool-down of {self.config.safe_mode_cooldown_s} s over"
         self._set_safety(self.safety.tick(now, self.config), cooldown)
-        errors = {name: self.predictor.prediction_error(name) for name in nodes}
+        errors = {name: self.predictor.prediction_error(name) for name in self.nodes}
         self._set_safety(self.safety.check_errors(errors, now, self.config))
         donors = detect_donors(stats, self.config)
+        inputs = self._inputs(now, stats, donors)
         gate = self.safety.gate(now, self.config)
         if gate is not None or (not donors and not self.free):
-            decision = self._hold(f"hold: {gate or 'no donor'}", now, donors)
+            decision = hold(gate or NoDonor(), inputs)
         else:
-            decision = decide(
-                nodes=nodes,
-                allocation=self.allocation,
-                free=self.free,
-                stats=stats,
-                donors=donors,
-                predictor=self.predictor,
-                cost=self.cost,
-                config=self.config,
-                time=now,
-            )
+            decision = decide(inputs)
         return self._record(decision, now)
 
     def _set_safety(self, safety: Safety, left: str = "", *, operator: bool = False) -> None:
@@ -302,11 +300,12 @@ class Scheduler:
         )
         commands = []
         if decision.committed and self.observe_only:
+            assert isinstance(decision.reason, Commit), "a committed round's reason is a Commit"
             record = msgspec.structs.replace(
                 record,
                 committed=False,
                 new_allocation=record.old_allocation,
-                reason=f"observe-only, would {decision.reason}",
+                reason=ObserveOnly(would=decision.reason),
             )
         elif decision.committed:
             commands.append(
@@ -342,7 +341,7 @@ class Scheduler:
         )
         if plan.refused:
             logger.error("%s", plan.refused)
-            return self._record(self._hold(plan.refused, now), now)
+            return self._record(self._hold(QuotaRefused(detail=plan.refused), now), now)
         self._quota = (self._quota | plan.granted) - plan.reclaimed
         self._free = None
         logger.info(
@@ -354,7 +353,7 @@ class Scheduler:
         if plan.new_allocation is None:
             return self.round(now)
         decision_id = self._next_id()
-        record = self._hold(f"reclaim of {len(plan.reclaimed)} devices by the cluster", now)
+        record = self._hold(Reclaim(num_devices=len(plan.reclaimed)), now)
         self.ledger.append(
             msgspec.structs.replace(
                 record.to_record(decision_id),
@@ -374,15 +373,21 @@ class Scheduler:
             )
         ]
 
-    def _hold(self, reason: str, now: float, donors: Sequence[DonorSignal] = ()) -> Decision:
-        return hold(
-            reason=reason,
+    def _hold(self, reason: DecisionReason, now: float) -> Decision:
+        return hold(reason, self._inputs(now, self.windows.stats()))
+
+    def _inputs(
+        self, now: float, stats: Mapping[str, ComponentStats], donors: Sequence[DonorSignal] = ()
+    ) -> RoundInput:
+        """What a round at ``now`` reads: the state after every event handled so far."""
+        return RoundInput(
             nodes=self.nodes,
             allocation=self.allocation,
             free=self.free,
-            stats=self.windows.stats(),
+            stats=stats,
+            donors=tuple(donors),
             predictor=self.predictor,
+            cost=self.cost,
             config=self.config,
             time=now,
-            donors=donors,
         )

@@ -9,8 +9,9 @@ iterable of :data:`LedgerRecord`) returning a frozen :class:`LedgerSummary`:
 - migrations by kind and component (committed, rolled back, failed, bytes, pauses);
 - the distribution of the moves' prediction errors, and of each component's throughput
   prediction against the measured throughput at every round;
-- rounds that did not commit, and candidates that were rejected, grouped by reason (numbers
-  and ids stripped, so "saves 0.3 s" and "saves 0.5 s" count together);
+- rounds that did not commit, and candidates that were rejected, grouped by their reason's
+  category (its type, without numbers and ids: "saves 0.3 s" and "saves 0.5 s" count
+  together);
 - time in safe mode (episodes from the safe-mode records);
 - iterations and per-component utilization and devices from the round observations.
 
@@ -20,14 +21,19 @@ iterable of :data:`LedgerRecord`) returning a frozen :class:`LedgerSummary`:
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from dynarl.bus import DecisionRecord, MigrationRecord
+from dynarl.bus import (
+    CandidateReason,
+    DecisionReason,
+    DecisionRecord,
+    MigrationRecord,
+    MoveInFlight,
+)
 from dynarl.sched._ledger import LedgerRecord
 from dynarl.sched._ledger_records import ObservationRecord, SafeModeRecord
 
@@ -84,6 +90,7 @@ class MoveSummary:
     decision_id: str
     time: float
     reason: str
+    """The decision's reason, as its sentence."""
     donor: str | None
     receivers: tuple[str, ...]
     old_allocation: Mapping[str, int]
@@ -192,19 +199,13 @@ class LedgerSummary:
     notes: tuple[str, ...] = field(default=())
 
 
-_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|inf|nan)\b|\b[a-z]+\d{3,}\b")
+def reason_category(reason: DecisionReason | CandidateReason) -> str:
+    """What the summary counts ``reason`` under: its category, by its type.
 
-
-def reason_category(reason: str) -> str:
-    """A reason without its numbers and ids, cut after its first clause.
-
-    ``"hold: minimum interval between moves: 1.5 s to go"`` → ``"hold: minimum interval
-    between moves"``; ``"saves 0.2 s, less than the chosen 0.3 s"`` → ``"saves # s, less
-    than the chosen # s"``.
+    ``MinimumInterval(wait_s=1.5)`` → ``"hold: minimum interval between moves"``;
+    ``SavesLess(gain_s=0.2, chosen_gain_s=0.3)`` → ``"saves # s, less than the chosen # s"``.
     """
-    parts = reason.split(": ")
-    head = ": ".join(parts[:2]) if parts[0] in ("hold", "rejected") else parts[0]
-    return _NUMBER.sub("#", head).strip()
+    return reason.category
 
 
 def summarise_ledger(records: Iterable[LedgerRecord]) -> LedgerSummary:
@@ -274,7 +275,7 @@ def _moves(
             MoveSummary(
                 decision_id=d.decision_id,
                 time=d.time,
-                reason=d.reason,
+                reason=str(d.reason),
                 donor=d.donor,
                 receivers=d.receivers,
                 old_allocation=d.old_allocation,
@@ -299,7 +300,7 @@ def _not_applied(decision: DecisionRecord, later: Sequence[DecisionRecord]) -> b
     """Whether the first round after the move's end still had the old allocation (a move
     that failed without migration records, e.g. one that could not be submitted)."""
     for r in later:
-        if "still in flight" in r.reason:
+        if isinstance(r.reason, MoveInFlight):
             continue
         return r.old_allocation != decision.new_allocation
     return False

@@ -9,6 +9,7 @@ engines and stages are modelled.
 
 from __future__ import annotations
 
+from dynarl.sim._components import SimEvent
 from dynarl.sim._event_loop import EventLoop
 from dynarl.sim._plot import plot_timelines
 from dynarl.sim._profile import rollout_alone, start_partition
@@ -48,6 +49,7 @@ __all__ = [
     "ModelSpec",
     "Rollout",
     "RolloutSpec",
+    "SimEvent",
     "Simulation",
     "StageSpec",
     "VerlSpec",

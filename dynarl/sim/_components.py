@@ -12,11 +12,13 @@
 - :func:`migration_bytes`: the bytes a resize moves across devices, per migration kind
   (what the ledger's ``MigrationRecord.bytes_moved`` says for a simulated move).
 - The protocols the simulator and the policies share: :class:`RolloutModel` (the
-  per-request and the vectorised rollout), :class:`EngineView`, :class:`SimPolicy`.
+  per-request and the vectorised rollout), :class:`EngineView`, :class:`SimPolicy`, and
+  the pipeline events a policy hears (:class:`SimEvent`).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -36,6 +38,7 @@ __all__ = [
     "EngineView",
     "ModelledMigrationCost",
     "RolloutModel",
+    "SimEvent",
     "SimPolicy",
     "build_nodes",
     "migration_bytes",
@@ -43,6 +46,21 @@ __all__ = [
 
 COMPONENTS = ("rollout", "inference", "trainer")
 """The simulated components."""
+
+
+class SimEvent(enum.StrEnum):
+    """A point of a synchronous iteration that :meth:`SimPolicy.on_event` hears."""
+
+    ITERATION_START = "iteration_start"
+    """The iteration's batch was dispatched to rollout."""
+    ROLLOUT_DONE = "rollout_done"
+    """Every sample of the iteration was generated."""
+    INFERENCE_DONE = "inference_done"
+    """Every sample went through inference."""
+    MINIBATCH = "minibatch"
+    """The trainer finished a mini-batch (not the last; ``index`` says which)."""
+    ITERATION_END = "iteration_end"
+    """The trainer finished the iteration."""
 
 
 class EngineView(Protocol):
@@ -127,9 +145,8 @@ class SimPolicy(Protocol):
         """Every reporting interval."""
         ...
 
-    def on_event(self, sim: Simulation, event: str, iteration: int, index: int = 0) -> None:
-        """``rollout_done``, ``inference_done``, ``minibatch`` (index), ``iteration_end``,
-        ``iteration_start``."""
+    def on_event(self, sim: Simulation, event: SimEvent, iteration: int, index: int = 0) -> None:
+        """At each :class:`SimEvent` of iteration ``iteration`` (``index``: the mini-batch)."""
         ...
 
 

@@ -28,6 +28,7 @@ from dynarl.sim._components import (
     COMPONENTS,
     ModelledMigrationCost,
     RolloutModel,
+    SimEvent,
     SimPolicy,
     build_nodes,
 )
@@ -227,7 +228,7 @@ class Simulation:
             per_item = float(self.trace.total_tokens.mean())  # the profiled mean
             self.inference.tokens_per_item = self.trainer.tokens_per_item = per_item
         self.rollout.start(self.trace)
-        self._notify("iteration_start", index)
+        self._notify(SimEvent.ITERATION_START, index)
 
     def remaining(self) -> dict[str, int]:
         """Items of the current iteration each component has yet to finish."""
@@ -251,7 +252,7 @@ class Simulation:
             "trainer": self.trainer.queued_samples,
         }
 
-    def _notify(self, event: str, iteration: int, index: int = 0) -> None:
+    def _notify(self, event: SimEvent, iteration: int, index: int = 0) -> None:
         if self.policy is not None:
             self.policy.on_event(self, event, iteration, index)
 
@@ -267,7 +268,7 @@ class Simulation:
             size = self.workload.batch.group_size
             self.inference.add(Chunk(iteration, size, float(self._group_tokens[g])))
         if self._rolled == self.workload.batch.num_samples:
-            self._notify("rollout_done", iteration)
+            self._notify(SimEvent.ROLLOUT_DONE, iteration)
 
     def _samples_done(self, iteration: int, samples: npt.NDArray[np.int64]) -> None:
         """Many samples finished at once (the vector model): completed groups go on together."""
@@ -285,13 +286,13 @@ class Simulation:
             tokens = float(self._group_tokens[complete].sum())
             self.inference.add(Chunk(iteration, int(complete.size) * w.batch.group_size, tokens))
         if self._rolled == w.batch.num_samples:
-            self._notify("rollout_done", iteration)
+            self._notify(SimEvent.ROLLOUT_DONE, iteration)
 
     def _inferred(self, chunk: Chunk) -> None:
         self._inferred_n += chunk.samples
         self.trainer.add(Chunk(chunk.iteration, chunk.samples, chunk.tokens))
         if self._inferred_n == self.workload.batch.num_samples:
-            self._notify("inference_done", chunk.iteration)
+            self._notify(SimEvent.INFERENCE_DONE, chunk.iteration)
 
     def _trained(self, chunk: Chunk) -> None:
         b = self.workload.batch
@@ -304,7 +305,7 @@ class Simulation:
             index = self._next_boundary
             self._next_boundary += 1
             if index < b.num_minibatches:
-                self._notify("minibatch", chunk.iteration, index)
+                self._notify(SimEvent.MINIBATCH, chunk.iteration, index)
         if self._trained_n == b.num_samples:
             self._end_iteration()
 
@@ -313,7 +314,7 @@ class Simulation:
         tokens = int(self.trace.total_tokens.sum())
         sync = self.workload.migration.weight_sync_s
         self.finish_iteration(self.iteration, self._iter_start, self.loop.now + sync, tokens)
-        self._notify("iteration_end", self.iteration)
+        self._notify(SimEvent.ITERATION_END, self.iteration)
         if self.iteration + 1 < self.workload.num_iterations:
             nxt = self.iteration + 1
             self.loop.after(sync, lambda: self.start_iteration(nxt))

@@ -2,7 +2,10 @@
 runtime components (:class:`ScriptedRollout`, :class:`TinyTrainer`).
 
 The hypothesis strategies of valid pipelines, allocations, reports, requests, hybrid
-contexts, layouts and workloads live in :mod:`dynarl.testing._strategies` and are re-exported here.
+contexts, layouts and workloads live in :mod:`dynarl.testing._strategies` and are re-exported here;
+those of bus messages — :func:`message_strategy` (valid messages, built from the rules the
+message types declare) and :func:`arbitrary_message_strategy` (any values of the declared
+types, for fuzzing decoders) — in :mod:`dynarl.testing._seams`.
 
 ``FakeSGLangServer`` and ``FakeSGLangConfig`` (a loopback fake of SGLang 0.5.23's HTTP API)
 are imported on first use, since they need the ``sglang`` extra (aiohttp).
@@ -18,6 +21,7 @@ from dynarl.testing._seams import (
     ShadowTrainer,
     TinyState,
     TinyTrainer,
+    arbitrary_message_strategy,
     message_strategy,
     scripted_token,
     tiny_param_specs,
@@ -46,6 +50,7 @@ __all__ = [
     "TinyState",
     "TinyTrainer",
     "allocations",
+    "arbitrary_message_strategy",
     "component_reports",
     "layouts",
     "message_strategy",

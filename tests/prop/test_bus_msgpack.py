@@ -1,8 +1,8 @@
 """Conformance with plain MessagePack: the wire format is standard, not msgspec's own.
 
-Every generated message is decoded by the plain ``msgpack`` package into the documented
-map (``"type"`` = class name, one key per field), and a frame built by plain ``msgpack``
-from such a map decodes to the equal Struct.
+Every generated message, valid or not, is decoded by the plain ``msgpack`` package into
+the documented map (``"type"`` = class name, one key per field), and a frame built by plain
+``msgpack`` from the map of a valid message decodes to the equal Struct.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from dynarl.bus import MessageCodec
 from dynarl.bus._codec import Frame, FrameCodec
 from dynarl.bus._messages import EventMessage, Message
-from dynarl.testing import message_strategy
+from dynarl.testing import arbitrary_message_strategy, message_strategy
 
 ANY_MESSAGE = message_strategy(Message | EventMessage)
+ANY_VALUES = arbitrary_message_strategy(Message | EventMessage)  # valid or not
 FRAMES = FrameCodec(1 << 24)
 EVENTS: MessageCodec[Any] = MessageCodec(EventMessage, 1 << 24)
 REQUESTS: MessageCodec[Any] = MessageCodec(Message, 1 << 24)
@@ -39,7 +40,7 @@ def plain(value: Any) -> Any:
     return value
 
 
-@given(ANY_MESSAGE)
+@given(ANY_VALUES)
 def test_plain_msgpack_reads_every_message(message: Any) -> None:
     data = msgspec.msgpack.encode(message)
     decoded = msgpack.unpackb(data, raw=False)

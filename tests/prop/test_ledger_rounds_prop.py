@@ -13,12 +13,27 @@ import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynarl.bus import DecisionRecord, MigrationRecord
+from dynarl.bus import (
+    Commit,
+    DecisionReason,
+    DecisionRecord,
+    MigrationRecord,
+    MinimumInterval,
+    NoDonor,
+    NotBetterAfterCost,
+    Rejected,
+    SafeMode,
+)
 from dynarl.sched import Ledger, LedgerRecord, summarise_ledger
 from dynarl.sched._ledger_records import ObservationRecord
 
-REASONS = ("hold: no donor", "hold: minimum interval between moves: 0.5 s to go", "hold: safe")
 THROUGHPUT = st.sampled_from([0.0, -0.0, 1.5, math.inf, math.nan]) | st.floats(0.0, 10.0)
+GAIN = st.sampled_from([0.0, -0.0, -1.5, -math.inf, math.nan]) | st.floats(-10.0, 0.0)
+REASONS: st.SearchStrategy[DecisionReason] = st.sampled_from(
+    [NoDonor(), MinimumInterval(wait_s=0.5), SafeMode(why="operator")]
+) | st.builds(
+    lambda gain: Rejected(why=NotBetterAfterCost(gain_s=gain, cost_s=1.0, min_gain_s=0.0)), GAIN
+)
 ALLOCATIONS = st.sampled_from([{"rollout": 2, "trainer": 1}, {"rollout": 1, "trainer": 2}])
 
 
@@ -30,7 +45,7 @@ def decisions(draw: st.DrawFn, i: int) -> DecisionRecord:
         decision_id=f"d{i:06d}",
         time=float(i),
         committed=committed,
-        reason="commit: saves 1 s" if committed else draw(st.sampled_from(REASONS)),
+        reason=Commit(gain_s=1.0, cost_s=0.0, bottleneck="trainer") if committed else draw(REASONS),
         old_allocation=allocation,
         new_allocation=allocation,
         donor=draw(st.sampled_from([None, "rollout"])),
@@ -58,8 +73,8 @@ def _migration(i: int) -> MigrationRecord:
     )  # fmt: skip
 
 
-def _line(record: LedgerRecord) -> bytes:
-    """What a record says (NaN != NaN, so records are compared by their encoding)."""
+def _line(record: LedgerRecord | DecisionReason) -> bytes:
+    """What a record (or reason) says (NaN != NaN, so they are compared by their encoding)."""
     return msgspec.msgpack.encode(record)
 
 
@@ -82,8 +97,8 @@ def test_written_then_loaded_gives_the_same_records(
     assert Counter((d.decision_id, d.committed) for d in decided) == Counter(
         (d.decision_id, d.committed) for d in written
     )
-    holds = Counter(d.reason for d in written if not d.committed)
-    assert Counter(d.reason for d in decided if not d.committed) == holds
+    holds = Counter(_line(d.reason) for d in written if not d.committed)
+    assert Counter(_line(d.reason) for d in decided if not d.committed) == holds
     before, after = summarise_ledger(records), summarise_ledger(loaded)
     assert (after.num_rounds, after.num_committed) == (before.num_rounds, before.num_committed)
     assert after.rounds_by_reason == before.rounds_by_reason

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from sched_support import PowerLawPredictor, report, stats_of
 
 from dynarl.sched import CostEstimate, HyperNode, Resize, SchedulerConfig
+from dynarl.sched._decision import RoundInput
 from dynarl.sched._planner import decide
 from dynarl.sched._window import DonorSignal
 from dynarl.types import Allocation, ComponentKind
@@ -168,15 +169,17 @@ def test_stage2_matches_exhaustive_search_and_keeps_constraints(inst: dict[str, 
     )
     config = SchedulerConfig(num_devices_per_node=64, min_gain_s=inst["min_gain"])  # type: ignore[arg-type]
     decision = decide(
-        nodes=nodes,
-        allocation=allocation,
-        free=free,
-        stats=stats,
-        donors=[DonorSignal(component="c0", idle_fraction=1.0, mean_utilization=0.0)],
-        predictor=predictor,
-        cost=inst["cost"],  # type: ignore[arg-type]
-        config=config,
-        time=0.0,
+        RoundInput(
+            nodes=nodes,
+            allocation=allocation,
+            free=free,
+            stats=stats,
+            donors=(DonorSignal(component="c0", idle_fraction=1.0, mean_utilization=0.0),),
+            predictor=predictor,
+            cost=inst["cost"],  # type: ignore[arg-type]
+            config=config,
+            time=0.0,
+        )
     )
     note(f"decision: {decision.reason}; exhaustive={decision.exhaustive}")
     total = allocation.total + len(free)

@@ -8,7 +8,15 @@ import logging
 
 import pytest
 
-from dynarl.bus import BusConfig, ComponentReport, DecisionRecord, PeerEvent, Publisher, run
+from dynarl.bus import (
+    BusConfig,
+    ComponentReport,
+    DecisionRecord,
+    NoDonor,
+    PeerEvent,
+    Publisher,
+    run,
+)
 from dynarl.bus._loop import SyncBridge, loop_name, new_event_loop
 from dynarl.bus._pubsub import Subscriber
 from dynarl.bus._stats import RateLimitedLog
@@ -22,7 +30,7 @@ def decision(n: int) -> DecisionRecord:
         decision_id=f"d{n}",
         time=float(n),
         committed=False,
-        reason="no donor",
+        reason=NoDonor(),
         old_allocation={"rollout": 4},
         new_allocation={"rollout": 4},
     )

@@ -96,6 +96,17 @@ def test_the_document_lists_every_message_and_field() -> None:
         assert fields == expected, struct.__name__
 
 
+def test_the_document_lists_every_decision_reason() -> None:
+    import dynarl.bus as bus
+
+    section = WIRE.split("#### Reason maps", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`(\w+)`", section))
+    types = {m for u in (bus.DecisionReason, bus.CandidateReason) for m in u.__args__}
+    types |= {m for m in bus.RejectionReason.__args__}
+    names = {t.__name__ for t in types} | {f for t in types for f in t.__struct_fields__}
+    assert names <= documented, sorted(names - documented)
+
+
 def test_the_document_lists_every_error_code() -> None:
     codes = set(re.findall(r"^\| `(\w+)` \| .* \| `\w+` \|$", WIRE, flags=re.M))
     assert codes == {*BAD_FRAME_REASONS, "deadline_exceeded", "bad_request", "handler_error"}

@@ -42,11 +42,12 @@ def test_a_restarted_job_takes_the_committed_allocation_and_rolls_back_one_in_fl
     assert state.in_flight is None and state.allocation == grown and state.epoch == 2
 
 
-def test_a_durable_job_opens_its_journal_and_a_fresh_one_keeps_its_specs(tmp_path: Path) -> None:
-    job = Job(SPECS, JobConfig(run_dir=str(tmp_path), durable=True))
-    assert job.journal is not None and (tmp_path / "journal").exists()
-    job.journal.close()
-    assert Job(SPECS, JobConfig(run_dir=str(tmp_path / "b"))).journal is None
+def test_constructing_a_job_opens_nothing_on_disk(tmp_path: Path) -> None:
+    # The journal opens when the job starts (tests/unit/test_job_lifecycle.py).
+    job = Job(SPECS, JobConfig(run_dir=str(tmp_path / "a"), durable=True))
+    assert job.journal is None and not (tmp_path / "a").exists()
+    temporary = Job(SPECS)
+    assert temporary.journal is None and not temporary.run_dir.exists()
 
 
 def test_durable_config_checks_its_fields() -> None:

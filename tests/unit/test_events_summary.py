@@ -10,7 +10,29 @@ from pathlib import Path
 import pytest
 from sim_support import small
 
-from dynarl.bus import DecisionRecord, MigrationRecord, RejectedCandidate
+from dynarl.bus import (
+    CandidateReason,
+    Commit,
+    DecisionReason,
+    DecisionRecord,
+    FinishesLater,
+    InfeasiblePlacement,
+    LegacyReason,
+    MigrationRecord,
+    MinimumInterval,
+    MoveInFlight,
+    NoDonor,
+    NoFeasibleReduction,
+    NoMovableDonor,
+    NotBetterAfterCost,
+    ObserveOnly,
+    QuotaRefused,
+    Reclaim,
+    Rejected,
+    RejectedCandidate,
+    SafeMode,
+    SavesLess,
+)
 from dynarl.cli import main
 from dynarl.sched import (
     Ledger,
@@ -30,8 +52,8 @@ from dynarl.sim.policies import DynarlPolicy
 ALLOC = {"rollout": 8, "trainer": 4}
 
 
-def decision(i: int, t: float, reason: str, **fields: object) -> DecisionRecord:
-    committed = reason.startswith("commit")
+def decision(i: int, t: float, reason: DecisionReason, **fields: object) -> DecisionRecord:
+    committed = isinstance(reason, Commit)
     new = {"rollout": 4, "trainer": 8} if committed else ALLOC
     return DecisionRecord(
         decision_id=f"d{i}",
@@ -77,22 +99,22 @@ def ledger() -> list[LedgerRecord]:
         RejectedCandidate(
             allocation={},
             predicted_throughput=1.0,
-            reason=f"saves {x} s, less than the chosen 3.0 s",
+            reason=SavesLess(gain_s=x, chosen_gain_s=3.0),
         )
         for x in (0.5, 1.5)
     ]
     return [
-        decision(1, 1.0, "hold: no donor"),
+        decision(1, 1.0, NoDonor()),
         decision(
             2,
             2.0,
-            "rejected: not better after cost: saves -0.2 s net of 1.0 s migration",
+            Rejected(why=NotBetterAfterCost(gain_s=-0.2, cost_s=1.0, min_gain_s=0.0)),
             rejected=tuple(reject),
         ),
         decision(
             3,
             3.0,
-            "commit: saves 3.000 s net of 1.000 s migration; bottleneck trainer",
+            Commit(gain_s=3.0, cost_s=1.0, bottleneck="trainer"),
             expected_gain_s=3.0,
             migration_cost_s=1.0,
             migration_bytes=5000,
@@ -112,11 +134,11 @@ def ledger() -> list[LedgerRecord]:
             pause_s=1.5,
             cache_loss_tokens=300,
         ),
-        decision(4, 5.0, "hold: move d000003 still in flight"),
+        decision(4, 5.0, MoveInFlight(decision_id="d000003")),
         decision(
             5,
             12.0,
-            "commit: saves all remaining work",
+            Commit(gain_s=math.inf, cost_s=2.0, bottleneck="trainer"),
             expected_gain_s=math.inf,
             migration_cost_s=2.0,
         ),
@@ -127,7 +149,7 @@ def ledger() -> list[LedgerRecord]:
         SafeModeRecord(record_id="s1", time=10.0, safe=True, reason="3 consecutive failed moves"),
         SafeModeRecord(record_id="s2", time=15.0, safe=False, reason="cool-down over"),
         SafeModeRecord(record_id="s3", time=20.0, safe=True, reason="maintenance", operator=True),
-        decision(6, 25.0, "hold: safe mode: maintenance"),
+        decision(6, 25.0, SafeMode(why="maintenance")),
         observation(1, 1.0, 0, 0.5),
         observation(2, 2.0, 0, 0.7),
         observation(6, 25.0, 1, 0.9),
@@ -192,25 +214,93 @@ def test_text_and_json_forms() -> None:
     assert document["moves"][0]["realised_gain_s"] == 2.0
 
 
+COMMIT = Commit(gain_s=2.0, cost_s=0.5, bottleneck="trainer")
+
+
 @pytest.mark.parametrize(
-    ("reason", "category"),
+    ("reason", "sentence", "category"),
     [
-        ("hold: no donor", "hold: no donor"),
+        (NoDonor(), "hold: no donor", "hold: no donor"),
         (
+            MinimumInterval(wait_s=1.5),
             "hold: minimum interval between moves: 1.500 s to go",
             "hold: minimum interval between moves",
         ),
-        ("hold: safe mode: prediction error of trainer is 0.91 > 0.5", "hold: safe mode"),
-        ("infeasible placement: trainer needs 4 devices on one node", "infeasible placement"),
-        ("observe-only, would commit: saves 2.0 s", "observe-only, would commit"),
         (
+            SafeMode(why="prediction error of trainer is 0.91 > 0.5"),
+            "hold: safe mode: prediction error of trainer is 0.91 > 0.5",
+            "hold: safe mode",
+        ),
+        (
+            MoveInFlight(decision_id="d000012"),
+            "hold: move d000012 still in flight",
+            "hold: move # still in flight",
+        ),
+        (
+            COMMIT,
+            "commit: saves 2.000 s net of 0.500 s migration; bottleneck trainer",
+            "commit",
+        ),
+        (
+            ObserveOnly(would=COMMIT),
+            "observe-only, would commit: saves 2.000 s net of 0.500 s migration; "
+            "bottleneck trainer",
+            "observe-only, would commit",
+        ),
+        (
+            Rejected(why=InfeasiblePlacement(detail="trainer needs 4 devices on one node")),
+            "rejected: infeasible placement: trainer needs 4 devices on one node",
+            "rejected: infeasible placement",
+        ),
+        (
+            Rejected(why=NoMovableDonor()),
+            "rejected: no movable donor",
+            "rejected: no movable donor",
+        ),
+        (
+            Rejected(why=NoFeasibleReduction()),
+            "rejected: no feasible reduction reaches a higher throughput",
+            "rejected: no feasible reduction reaches a higher throughput",
+        ),
+        (
+            QuotaRefused(
+                detail="quota change to 12 devices refused: outside the job's elastic bounds"
+            ),
             "quota change to 12 devices refused: outside the job's elastic bounds",
             "quota change to # devices refused",
         ),
+        (
+            Reclaim(num_devices=3),
+            "reclaim of 3 devices by the cluster",
+            "reclaim of # devices by the cluster",
+        ),
+        (
+            NotBetterAfterCost(gain_s=-0.25, cost_s=1.0, min_gain_s=0.5),
+            "not better after cost: saves -0.250 s net of 1.000 s migration, needs more than 0.5 s",
+            "not better after cost",
+        ),
+        (
+            SavesLess(gain_s=0.2, chosen_gain_s=0.3),
+            "saves 0.200 s, less than the chosen 0.300 s",
+            "saves # s, less than the chosen # s",
+        ),
+        (
+            FinishesLater(finish_s=41.0, chosen_finish_s=40.0),
+            "finishes in 41.000 s, later than the chosen 40.000 s",
+            "finishes in # s, later than the chosen # s",
+        ),
+        (
+            LegacyReason(text="hold: warming up: 3 s left"),
+            "hold: warming up: 3 s left",
+            "hold: warming up",
+        ),
     ],
 )
-def test_reason_categories(reason: str, category: str) -> None:
-    assert reason_category(reason) == category
+def test_each_reason_renders_its_sentence_and_is_counted_by_its_category(
+    reason: DecisionReason | CandidateReason, sentence: str, category: str
+) -> None:
+    assert str(reason) == sentence
+    assert reason_category(reason) == category == reason.category
 
 
 def simulated(tmp_path: Path) -> Path:

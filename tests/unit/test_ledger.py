@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dynarl.bus import DecisionRecord, MigrationRecord
+from dynarl.bus import Commit, DecisionRecord, MigrationRecord, NoDonor, SafeMode
 from dynarl.sched import Ledger
 from dynarl.sched._ledger_records import RoundsRecord
 
@@ -19,7 +19,7 @@ def decision(i: int, *, committed: bool, time: float, donor: str | None = None) 
         decision_id=f"d{i}",
         time=time,
         committed=committed,
-        reason="commit: saves 3 s" if committed else "hold: no donor",
+        reason=Commit(gain_s=3.0, cost_s=0.0, bottleneck="trainer") if committed else NoDonor(),
         old_allocation={"rollout": 8, "trainer": 4},
         new_allocation={"rollout": 4, "trainer": 8} if committed else {"rollout": 8, "trainer": 4},
         donor=donor,
@@ -162,14 +162,21 @@ def test_rounds_that_differ_in_more_than_their_columns_start_a_new_line(tmp_path
         decision(2, committed=False, time=2.0), old_allocation={"rollout": 4, "trainer": 8}
     )
     renamed = msgspec.structs.replace(
-        moved, decision_id="d3", time=3.0, reason="hold: safe", predicted_throughput_new=2.0
+        moved,
+        decision_id="d3",
+        time=3.0,
+        reason=SafeMode(why="operator"),
+        predicted_throughput_new=2.0,
     )
     with Ledger(path) as ledger:
         for record in (first, moved, renamed):
             ledger.append(record)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["type"] for line in lines] == ["DecisionRecord", "RoundsRecord"]
-    assert lines[1]["reasons"] == ["hold: no donor", "hold: safe"]
+    assert lines[1]["reasons"] == [
+        {"type": "NoDonor"},
+        {"type": "SafeMode", "why": "operator"},
+    ]
     assert lines[1]["throughput_old"] == [] and lines[1]["throughput_new"] == [0.0, 2.0]
     assert Ledger.load(path).query(kind="decision") == [first, moved, renamed]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sched_support import PowerLawPredictor, report
 
-from dynarl.bus import ComponentReport, DecisionRecord
+from dynarl.bus import Commit, ComponentReport, DecisionRecord
 from dynarl.sched import (
     HyperNode,
     Ledger,
@@ -180,7 +180,7 @@ def test_infinite_gains_survive_the_jsonl_file(tmp_path: Path) -> None:
         decision_id="d1",
         time=1.0,
         committed=True,
-        reason="commit: saves all remaining work",
+        reason=Commit(gain_s=math.inf, cost_s=1.0, bottleneck=None),
         old_allocation={"rollout": 4, "trainer": 0},
         new_allocation={"rollout": 2, "trainer": 2},
         predicted_throughput_old=0.0,
@@ -195,6 +195,10 @@ def test_infinite_gains_survive_the_jsonl_file(tmp_path: Path) -> None:
     assert isinstance(loaded, DecisionRecord)
     assert loaded.expected_gain_s == math.inf and loaded.predicted_throughput_new == math.inf
     assert loaded.prediction_error is not None and math.isnan(loaded.prediction_error)
+    assert loaded.reason == record.reason
+    assert str(loaded.reason) == (
+        "commit: saves all remaining work net of 1.000 s migration; bottleneck None"
+    )
 
 
 def test_scheduler_ledger_round_trips_through_its_file(tmp_path: Path) -> None:

@@ -237,6 +237,7 @@ def test_trainer_needs_a_distributed_job() -> None:
 
 
 @pytest.mark.parametrize("model", [LLAMA, QWEN], ids=["llama-gqa", "qwen2-bias-tied"])
+@pytest.mark.gloo_listener_outlives_test
 def test_loaded_hf_weights_compute_hf_llama_logits(
     solo: Any, tmp_path: pathlib.Path, model: GPTModelConfig
 ) -> None:
@@ -347,6 +348,7 @@ def samples(seed: int) -> list[TrainSample]:
     return out
 
 
+@pytest.mark.gloo_listener_outlives_test
 def test_cpu_step_equals_plain_torch_adamw_with_clipping(solo: Any) -> None:
     config = MegatronTrainConfig(
         lr=1e-2, micro_batch_size=2, clip_grad=0.05, weight_decay=0.1, device="cpu"

@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sched_support import PowerLawPredictor, report
 
-from dynarl.bus import DecisionRecord, MigrationRecord
+from dynarl.bus import DecisionRecord, MigrationRecord, NoDonor
 from dynarl.runtime import MetricsExporter
 from dynarl.sched import (
     DynamicResourceMetrics,
@@ -204,7 +204,7 @@ def test_rounds_are_counted_once_with_memory_bounded_in_a_long_job() -> None:
     s = scheduler()
     exporter = MetricsExporter(s)
     hold = DecisionRecord(
-        decision_id="", time=0.0, committed=False, reason="hold: no donor",
+        decision_id="", time=0.0, committed=False, reason=NoDonor(),
         old_allocation={"rollout": 12, "trainer": 4}, new_allocation={"rollout": 12, "trainer": 4},
     )  # fmt: skip
     num = 5000

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from dynarl.bus import MigrationRecord
@@ -23,12 +22,16 @@ NEW = Allocation.of({"rollout": [0], "trainer": [1, 2]})
 
 class FakeDriver:
     def __init__(
-        self, move: ComponentMove, log: list[tuple[str, str]], plan: dict[str, Any]
+        self,
+        move: ComponentMove,
+        log: list[tuple[str, str]],
+        plan: dict[str, Any],
+        clock: ManualClock,
     ) -> None:
         self.move, self.log = move, log
         self.migration_id = f"m-{move.component}"
         self.fail = plan.get(f"fail:{move.component}", False)
-        self.deadline = time.monotonic() + plan.get("lease_left", 60.0)
+        self.deadline = clock.now() + plan.get("lease_left", 60.0)  # on the coordinator's clock
         self.pause_s, self.bytes_moved = 0.25, 100
 
         self.done: list[Outcome] = []
@@ -93,9 +96,11 @@ def run(
         ComponentSpec(role=TinyTrainer, devices=(2,)),
     ]
 
+    clock = ManualClock()
+
     class Fake(Coordinator):
         def _driver(self, decision_id: str, move: ComponentMove, lease_s: float) -> Any:
-            return FakeDriver(move, log, plan)
+            return FakeDriver(move, log, plan, clock)
 
     published: list[MigrationRecord] = []
     coordinator = Fake(
@@ -104,7 +109,7 @@ def run(
         allocation=OLD,
         config=RuntimeConfig(),
         faults=FaultInjector(),
-        clock=ManualClock(),
+        clock=clock,
         cost=PlannerCost({}),
         outcomes=lambda outcome: None,
         publish=published.append,

@@ -9,7 +9,17 @@ import msgspec
 import pytest
 from sched_support import NODES, START, PowerLawPredictor, report
 
-from dynarl.bus import ComponentReport, DecisionRecord, MigrationRecord
+from dynarl.bus import (
+    ComponentReport,
+    DecisionRecord,
+    MigrationRecord,
+    MinimumInterval,
+    MoveInFlight,
+    NoDonor,
+    ObserveOnly,
+    QuotaRefused,
+    SafeMode,
+)
 from dynarl.sched import (
     Hypergraph,
     Ledger,
@@ -98,7 +108,8 @@ def test_tail_donor_is_moved_after_t_seconds_and_every_round_is_recorded() -> No
     s, clock = make()
     assert advance(s, clock, 3) == []  # idle for 3 s < T = 4 s
     rounds = decisions(s.ledger)
-    assert len(rounds) == 3 and all(r.reason == "hold: no donor" for r in rounds)
+    assert len(rounds) == 3 and all(r.reason == NoDonor() for r in rounds)
+    assert str(rounds[0].reason) == "hold: no donor"
     (command,) = advance(s, clock, 1)
     assert command.new_allocation.count("trainer") > 4
     assert command.old_allocation == START and not command.forced
@@ -108,7 +119,7 @@ def test_tail_donor_is_moved_after_t_seconds_and_every_round_is_recorded() -> No
     assert last.expected_gain_s > 0 and last.predicted_bottleneck is not None
     # While the move is in flight nothing else moves.
     assert advance(s, clock, 2) == []
-    assert decisions(s.ledger)[-1].reason.startswith("hold: move d000004 still in flight")
+    assert decisions(s.ledger)[-1].reason == MoveInFlight(decision_id="d000004")
 
 
 def test_minimum_interval_between_moves() -> None:
@@ -120,7 +131,7 @@ def test_minimum_interval_between_moves() -> None:
     # is wanted but must wait out the interval (and the donor's idle clock restarts).
     commands = advance(s, clock, 4)
     assert commands == []
-    assert any("minimum interval" in r.reason for r in decisions(s.ledger))
+    assert any(isinstance(r.reason, MinimumInterval) for r in decisions(s.ledger))
 
 
 def test_failed_moves_enter_safe_mode_until_cool_down() -> None:
@@ -132,7 +143,7 @@ def test_failed_moves_enter_safe_mode_until_cool_down() -> None:
     finish(s, second, ok=False)
     assert s.safety.safe and "2 consecutive failed moves" in s.safety.safe_reason
     assert advance(s, clock, 10) == []
-    assert decisions(s.ledger)[-1].reason.startswith("hold: safe mode: 2 consecutive failed")
+    assert decisions(s.ledger)[-1].reason == SafeMode(why="2 consecutive failed moves")
     assert s.allocation == START  # the last valid allocation is frozen
     commands = advance(s, clock, 11)
     assert not s.safety.safe and len(commands) == 1
@@ -146,9 +157,10 @@ def test_operator_safe_mode_outlasts_cool_down_and_observe_only_never_moves() ->
     s.handle(OperatorCommand(action="leave_safe_mode"))
     s.handle(OperatorCommand(action="observe_only"))
     assert advance(s, clock, 3) == []
-    would = [r for r in decisions(s.ledger) if r.reason.startswith("observe-only, would commit")]
+    would = [r for r in decisions(s.ledger) if isinstance(r.reason, ObserveOnly)]
     assert would and all(not r.committed and r.new_allocation == r.old_allocation for r in would)
     assert all(r.expected_gain_s > 0 for r in would)
+    assert all(str(r.reason).startswith("observe-only, would commit: saves ") for r in would)
     s.handle(OperatorCommand(action="act"))
     assert len(advance(s, clock, 1)) == 1
 
@@ -184,7 +196,8 @@ def test_quota_grant_replans_and_reclaim_forces_a_shrink() -> None:
     finish(s, reclaim)
     assert {0, 1, 2}.isdisjoint(s.free) and s.allocation == reclaim.new_allocation
     refused = s.handle(QuotaChange(granted=tuple(range(100, 120))))
-    assert refused == [] and "refused" in decisions(s.ledger)[-1].reason
+    last = decisions(s.ledger)[-1]
+    assert refused == [] and isinstance(last.reason, QuotaRefused) and "refused" in str(last.reason)
 
 
 class Sink:
@@ -289,7 +302,7 @@ def test_an_external_move_sets_the_allocation_and_restarts_the_interval() -> Non
     assert s.allocation == START and s.safety.in_flight is None
     # No move within the minimum interval after the external one.
     assert advance(s, clock, 9) == []
-    assert "minimum interval" in decisions(s.ledger)[-1].reason
+    assert isinstance(decisions(s.ledger)[-1].reason, MinimumInterval)
 
 
 def fresh_pair(s: Scheduler, t: float) -> list[ComponentReport]:
@@ -337,7 +350,7 @@ def test_a_batch_with_a_move_outcome_rounds_after_it() -> None:
     # The reports first, the outcome last: the one round runs with no move in flight.
     s.handle_many([*interval(s, t), done])
     assert s.safety.in_flight != command.decision_id
-    assert not decisions(s.ledger)[-1].reason.startswith("hold: move")
+    assert not isinstance(decisions(s.ledger)[-1].reason, MoveInFlight)
 
 
 def test_queued_batches_drain_what_is_queued_and_stop_at_none() -> None:

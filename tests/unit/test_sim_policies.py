@@ -11,7 +11,7 @@ from sim_support import shipped, small
 
 from dynarl.bus import ComponentReport, DecisionRecord, MigrationRecord
 from dynarl.sched import DeviceMove, FifoPolicy, MigrationCommand, PriorityPolicy, Resize
-from dynarl.sim import DynarlPolicy, Simulation, start_partition
+from dynarl.sim import DynarlPolicy, SimEvent, Simulation, start_partition
 from dynarl.sim._components import ModelledMigrationCost, SimPolicy, migration_bytes
 from dynarl.sim._profile import rlinf_dp_sizes
 from dynarl.sim.policies import POLICY_NAMES
@@ -29,7 +29,7 @@ class Recorder:
         self.inner = inner
         self.name = inner.name
         self.asynchronous = inner.asynchronous
-        self.events: list[tuple[float, str, int]] = []
+        self.events: list[tuple[float, SimEvent, int]] = []
         self.moves: list[tuple[float, tuple[DeviceMove, ...]]] = []
 
     def setup(self, sim: Simulation) -> None:
@@ -45,7 +45,7 @@ class Recorder:
     def on_reports(self, sim: Simulation, reports: Mapping[str, ComponentReport]) -> None:
         self.inner.on_reports(sim, reports)
 
-    def on_event(self, sim: Simulation, event: str, iteration: int, index: int = 0) -> None:
+    def on_event(self, sim: Simulation, event: SimEvent, iteration: int, index: int = 0) -> None:
         self.events.append((sim.loop.now, event, index))
         self.inner.on_event(sim, event, iteration, index)
 
@@ -82,7 +82,11 @@ def test_static_sequential_gives_every_gpu_to_one_stage_at_a_time() -> None:
     for row in sim.timeline.counts:
         assert sum(1 for count in row[:3] if count) <= 1
     events = [e for _, e, _ in recorder.events]
-    assert events.index("rollout_done") < events.index("inference_done")
+    assert all(isinstance(e, SimEvent) for e in events)
+    assert events[0] is SimEvent.ITERATION_START
+    assert events.index(SimEvent.ROLLOUT_DONE) < events.index(SimEvent.INFERENCE_DONE)
+    # Each event is still its name, for the callers that compare strings.
+    assert SimEvent.ROLLOUT_DONE == "rollout_done" and f"{SimEvent.MINIBATCH}" == "minibatch"
     assert all(len(moves) == 1 for _, moves in recorder.moves)
 
 
@@ -96,8 +100,8 @@ def test_rlinf_rule_acts_only_at_minibatch_boundaries_and_restores_at_step_end()
     policy = RlinfRule()
     sim, recorder = _run(policy)
     workload = sim.workload
-    boundaries = {t for t, e, _ in recorder.events if e == "minibatch"}
-    ends = {t for t, e, _ in recorder.events if e == "iteration_end"}
+    boundaries = {t for t, e, _ in recorder.events if e is SimEvent.MINIBATCH}
+    ends = {t for t, e, _ in recorder.events if e is SimEvent.ITERATION_END}
     grows = [m for m in recorder.moves if any(mv.dst == "trainer" for mv in m[1])]
     assert grows, "the trainer grew at some boundary"
     for t, moves in recorder.moves:
@@ -263,7 +267,7 @@ def test_dynarl_returns_to_the_iteration_start_allocation_at_every_barrier() -> 
     sim, recorder = _run(policy, iterations=3)
     start = start_partition(sim.workload)
     assert sim.timeline.counts[0][:3] == (start["rollout"], start["inference"], start["trainer"])
-    ends = [t for t, e, _ in recorder.events if e == "iteration_end"]
+    ends = [t for t, e, _ in recorder.events if e is SimEvent.ITERATION_END]
     for end in ends[:-1]:
         # The barrier move runs at once and is the only move until it has arrived.
         (moves,) = [m for t, m in recorder.moves if t == end]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
 from sched_support import NODES, ROLLOUT, TRAINER, PowerLawPredictor, report, stats_of
 
+from dynarl.bus import Commit, FinishesLater, NotBetterAfterCost, Rejected, SavesLess
 from dynarl.sched import (
     CostEstimate,
     HyperNode,
@@ -17,11 +19,13 @@ from dynarl.sched import (
     StaticMigrationCost,
     place,
 )
+from dynarl.sched._decision import RoundInput
 from dynarl.sched._planner import decide
 from dynarl.sched._window import DonorSignal
 from dynarl.types import Allocation, ComponentKind, MigrationKind
 
 COST = StaticMigrationCost(seconds={MigrationKind.WORKLOAD: 1.0, MigrationKind.P2P: 2.0})
+TAIL_DONOR = DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.05)
 
 
 def tail_stats() -> dict[str, object]:
@@ -40,22 +44,30 @@ def allocation() -> Allocation:
     return Allocation.of({"rollout": range(0, 12), "trainer": range(12, 16)})
 
 
-def test_tail_donor_gives_devices_to_the_trainer() -> None:
-    config = SchedulerConfig(num_devices_per_node=4)
-    decision = decide(
+def tail_round(**changes: Any) -> RoundInput:
+    """Rollout (12 devices) idles in its tail beside a TP-2 trainer (4), 4 devices a node;
+    ``changes`` replace any field."""
+    scene = RoundInput(
         nodes=NODES,
         allocation=allocation(),
-        free=(),
         stats=tail_stats(),
-        donors=[DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.05)],
+        donors=(TAIL_DONOR,),
         predictor=predictor(),
         cost=COST,
-        config=config,
+        config=SchedulerConfig(num_devices_per_node=4),
         time=10.0,
     )
+    return replace(scene, **changes)
+
+
+def test_tail_donor_gives_devices_to_the_trainer() -> None:
+    decision = decide(tail_round())
     assert decision.committed, decision.reason
     chosen = decision.chosen
     assert chosen is not None and chosen.donor == "rollout"
+    assert decision.reason == Commit(
+        gain_s=chosen.gain_s, cost_s=chosen.cost_s, bottleneck=chosen.bottleneck
+    )
     # Trainer reaches its largest valid size (16 devices) that rollout can free while
     # keeping its rate; rollout keeps the minimum 2 it needs (rate flat in n).
     assert chosen.size("trainer") in (8, 16) and chosen.size("rollout") >= 2
@@ -73,25 +85,25 @@ def test_tail_donor_gives_devices_to_the_trainer() -> None:
     record = decision.to_record("d1")
     assert record.committed and record.new_allocation == dict(chosen.sizes)
     assert record.expected_gain_s == chosen.gain_s and record.migration_cost_s == 2.0
-    assert all(r.reason for r in record.rejected)
+    assert record.reason == decision.reason
+    assert all(isinstance(r.reason, SavesLess) for r in record.rejected)
 
 
 def test_not_committed_when_the_cost_eats_the_gain() -> None:
     expensive = StaticMigrationCost(seconds={MigrationKind.P2P: 1e6, MigrationKind.WORKLOAD: 1e6})
-    decision = decide(
-        nodes=NODES,
-        allocation=allocation(),
-        free=(),
-        stats=tail_stats(),
-        donors=[DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.05)],
-        predictor=predictor(),
-        cost=expensive,
-        config=SchedulerConfig(num_devices_per_node=4),
-        time=10.0,
-    )
+    decision = decide(tail_round(cost=expensive))
     assert not decision.committed and decision.moves == ()
-    assert decision.reason.startswith("rejected: not better after cost")
-    assert decision.rejected and all("not better after cost" in r.reason for r in decision.rejected)
+    assert decision.rejected
+    assert decision.reason == Rejected(why=decision.rejected[0].reason)
+    best = decision.rejected[0].candidate
+    assert decision.rejected[0].reason == NotBetterAfterCost(
+        gain_s=best.gain_s, cost_s=1e6, min_gain_s=0.0
+    )
+    assert str(decision.reason) == (
+        f"rejected: not better after cost: saves {best.gain_s:.3f} s net of 1000000.000 s "
+        "migration, needs more than 0.0 s"
+    )
+    assert all(isinstance(r.reason, NotBetterAfterCost) for r in decision.rejected)
     assert decision.new_allocation() == allocation()
 
 
@@ -102,44 +114,20 @@ def test_peak_memory_limits_the_trainer_growth() -> None:
     # so shrink the device to 50 GiB: 30 + 30 > 50 -> no trainer growth is feasible.
     heavy = replace(TRAINER, state_bytes=60 << 30)
     config = SchedulerConfig(num_devices_per_node=4, device_memory_bytes=50 << 30)
-    decision = decide(
-        nodes={"rollout": ROLLOUT, "trainer": heavy},
-        allocation=allocation(),
-        free=(),
-        stats=tail_stats(),
-        donors=[DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.05)],
-        predictor=predictor(),
-        cost=COST,
-        config=config,
-        time=10.0,
-    )
-    assert not decision.committed
+    nodes = {"rollout": ROLLOUT, "trainer": heavy}
+    assert not decide(tail_round(nodes=nodes, config=config)).committed
     roomy = SchedulerConfig(num_devices_per_node=4, device_memory_bytes=80 << 30)
-    decision = decide(
-        nodes={"rollout": ROLLOUT, "trainer": heavy},
-        allocation=allocation(),
-        free=(),
-        stats=tail_stats(),
-        donors=[DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.05)],
-        predictor=predictor(),
-        cost=COST,
-        config=roomy,
-        time=10.0,
-    )
-    assert decision.committed
+    assert decide(tail_round(nodes=nodes, config=roomy)).committed
 
 
 def test_free_devices_alone_are_handed_out() -> None:
     decision = decide(
-        nodes=NODES,
-        allocation=Allocation.of({"rollout": range(0, 4), "trainer": range(4, 8)}),
-        free=tuple(range(8, 16)),
-        stats=tail_stats(),
-        donors=(),
-        predictor=predictor(),
-        cost=COST,
-        config=SchedulerConfig(num_devices_per_node=8),
-        time=0.0,
+        tail_round(
+            allocation=Allocation.of({"rollout": range(0, 4), "trainer": range(4, 8)}),
+            free=tuple(range(8, 16)),
+            donors=(),
+            config=SchedulerConfig(num_devices_per_node=8),
+        )
     )
     assert decision.committed and decision.chosen is not None
     assert decision.chosen.donor is None
@@ -150,19 +138,15 @@ def test_free_devices_alone_are_handed_out() -> None:
 
 def test_component_without_devices_and_with_work_gets_some() -> None:
     decision = decide(
-        nodes=NODES,
-        allocation=Allocation.of({"rollout": range(0, 16)}),
-        free=(),
-        stats=tail_stats(),
-        donors=[DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.05)],
-        predictor=predictor(),
-        cost=COST,
-        config=SchedulerConfig(num_devices_per_node=8, min_gain_s=1.0),
-        time=0.0,
+        tail_round(
+            allocation=Allocation.of({"rollout": range(0, 16)}),
+            config=SchedulerConfig(num_devices_per_node=8, min_gain_s=1.0),
+        )
     )
     assert math.isinf(decision.current.remaining_s)
     assert decision.committed and decision.chosen is not None
     assert decision.chosen.size("trainer") > 0
+    assert str(decision.reason).startswith("commit: saves all remaining work net of ")
 
 
 def test_placement_keeps_tp_groups_node_local_and_is_deterministic() -> None:
@@ -292,17 +276,20 @@ def test_a_donor_keeps_one_replica_while_its_inputs_are_still_coming(
     }
     alloc = Allocation.of({"rollout": range(8), "inference": range(8, 12), "trainer": (12, 13)})
     decision = decide(
-        nodes=nodes,
-        allocation=alloc,
-        free=(),
-        stats=_pipeline_stats(upstream),
-        donors=[DonorSignal(component="inference", idle_fraction=1.0, mean_utilization=0.0)],
-        predictor=PowerLawPredictor(
-            {"rollout": (10.0, 1.0, 0.0), "inference": (50.0, 1.0, 0.0), "trainer": (1.0, 1.0, 0.0)}
-        ),
-        cost=COST,
-        config=SchedulerConfig(num_devices_per_node=16),
-        time=10.0,
+        tail_round(
+            nodes=nodes,
+            allocation=alloc,
+            stats=_pipeline_stats(upstream),
+            donors=(DonorSignal(component="inference", idle_fraction=1.0, mean_utilization=0.0),),
+            predictor=PowerLawPredictor(
+                {
+                    "rollout": (10.0, 1.0, 0.0),
+                    "inference": (50.0, 1.0, 0.0),
+                    "trainer": (1.0, 1.0, 0.0),
+                }
+            ),
+            config=SchedulerConfig(num_devices_per_node=16),
+        )
     )
     assert decision.committed and decision.chosen is not None
     # Idle with nothing queued, inference never limits; the trainer takes what it frees,
@@ -327,17 +314,13 @@ class PerDeviceCost:
 
 def test_a_stalled_pipeline_ranks_its_ways_out_by_finish_time_not_by_an_infinite_gain() -> None:
     # The trainer is parked with 1000 items queued: the current allocation never finishes.
-    nodes = {"rollout": ROLLOUT, "trainer": PARKABLE}
     decision = decide(
-        nodes=nodes,
-        allocation=Allocation.of({"rollout": range(0, 16)}),
-        free=(),
-        stats=tail_stats(),
-        donors=[DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.05)],
-        predictor=predictor(),
-        cost=PerDeviceCost(4.0),
-        config=SchedulerConfig(num_devices_per_node=8),
-        time=0.0,
+        tail_round(
+            nodes={"rollout": ROLLOUT, "trainer": PARKABLE},
+            allocation=Allocation.of({"rollout": range(0, 16)}),
+            cost=PerDeviceCost(4.0),
+            config=SchedulerConfig(num_devices_per_node=8),
+        )
     )
     assert math.isinf(decision.current.remaining_s)
     assert decision.committed and decision.chosen is not None
@@ -349,7 +332,10 @@ def test_a_stalled_pipeline_ranks_its_ways_out_by_finish_time_not_by_an_infinite
     assert {c.size("trainer") for c in ranked} == {2, 4, 8}
     assert decision.chosen.size("trainer") == 4
     assert decision.chosen.remaining_s + decision.chosen.cost_s == pytest.approx(41.0)
-    assert all("later than the chosen" in r.reason for r in decision.rejected)
+    chosen_finish = decision.chosen.remaining_s + decision.chosen.cost_s
+    assert [r.reason for r in decision.rejected] == [
+        FinishesLater(finish_s=f, chosen_finish_s=chosen_finish) for f in finish[1:]
+    ]
 
 
 def test_a_parked_component_with_nothing_queued_is_no_reason_to_move() -> None:
@@ -360,15 +346,12 @@ def test_a_parked_component_with_nothing_queued_is_no_reason_to_move() -> None:
         report("trainer", kind="trainer", remaining=0, queue_depth=0, utilization=()),
     )
     decision = decide(
-        nodes=nodes,
-        allocation=Allocation.of({"rollout": range(0, 16)}),
-        free=(),
-        stats=stats,
-        donors=[DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.05)],
-        predictor=predictor(),
-        cost=COST,
-        config=SchedulerConfig(num_devices_per_node=8),
-        time=0.0,
+        tail_round(
+            nodes=nodes,
+            allocation=Allocation.of({"rollout": range(0, 16)}),
+            stats=stats,
+            config=SchedulerConfig(num_devices_per_node=8),
+        )
     )
     assert math.isfinite(decision.current.remaining_s)
     assert decision.current.bottleneck == "rollout"

@@ -12,6 +12,9 @@ One process (the driver locally, rank 0 under torchrun) hosts, on one event loop
   decision to the **ledger**;
 - the **coordinator**, the scheduler's command sink, with a
   :class:`~dynarl.runtime.controller.PlannerCost` injected into the scheduler;
+- in its tick, the **loss handler** (``_reclaim.py``): a worker that dies outside a
+  migration is a device the job loses, reclaimed through the scheduler's quota path, or
+  the job stops with one WorkerLostError;
 - when ``RuntimeConfig.metrics_port`` is set, the **Prometheus endpoint**
   (:class:`~dynarl.runtime.controller.MetricsExporter`, loopback by default).
 
@@ -22,13 +25,15 @@ Use as ``async with Controller(...) as controller``; workers are started by some
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Coroutine, Sequence
+from contextlib import AsyncExitStack
 from datetime import timedelta
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from dynarl._resource import AsyncResource, background, stage
 from dynarl.bus import (
     BusConfig,
     BusServer,
@@ -40,6 +45,7 @@ from dynarl.bus import (
     Publisher,
     Sample,
 )
+from dynarl.errors import BusError, DynarlError, WorkerError
 from dynarl.runtime._faults import FaultInjector
 from dynarl.runtime._spec import ComponentSpec, RuntimeConfig
 from dynarl.runtime._worker_protocol import Done, Shutdown
@@ -47,8 +53,10 @@ from dynarl.runtime.controller._coordinator import Coordinator
 from dynarl.runtime.controller._durability import AllocationJournal
 from dynarl.runtime.controller._group_manager import GroupManager
 from dynarl.runtime.controller._link import WorkerLink
+from dynarl.runtime.controller._losses import GuardedChannels
 from dynarl.runtime.controller._planner_cost import PlannerCost
 from dynarl.runtime.controller._prometheus import MetricsExporter, metrics_available
+from dynarl.runtime.controller._reclaim import LossHandler, num_kills
 from dynarl.sched import (
     Ledger,
     MonotonicClock,
@@ -69,7 +77,7 @@ __all__ = ["Controller"]
 logger = logging.getLogger(__name__)
 
 
-class Controller:
+class Controller(AsyncResource):
     """The job's controller (see the module docstring).
 
     ``store``: the job's store when a launcher already holds one (torchrun), else the
@@ -78,6 +86,13 @@ class Controller:
     scheduler's throughput predictor (None: a
     :class:`~dynarl.sched.RegressionPredictor` over the components' profiles). Raises
     ValueError for components with clashing names or devices.
+
+    Entering opens, in this order, the store, the publisher, the bus server and the
+    managers' endpoints, the ledger, the metrics endpoint, then starts the loops; a stage
+    that fails raises an error whose message names it (``start-up failed at stage
+    'bus bind': ...``, chained to the cause): WorkerError for ``store``, BusError for
+    ``publisher`` and ``bus bind``, DynarlError for ``metrics port``. Whatever opened
+    before is closed first, in reverse order, as leaving closes everything.
     """
 
     def __init__(
@@ -111,8 +126,6 @@ class Controller:
         self._predictor = predictor
         self._events: asyncio.Queue[SchedulerEvent | None] = asyncio.Queue()
         self._stop = asyncio.Event()
-        self._group: asyncio.TaskGroup | None = None
-        self._tasks: list[asyncio.Task[Any]] = []
         self.metrics: MetricsExporter | None = None
         self.bus = BusConfig(
             heartbeat_interval_s=self.config.heartbeat_interval_s,
@@ -123,27 +136,37 @@ class Controller:
 
     # ------------------------------------------------------------------ life cycle
 
-    async def __aenter__(self) -> Controller:
+    async def _open(self, stack: AsyncExitStack) -> None:
         from torch._C._distributed_c10d import TCPStore
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.store: Store = self._given_store or TCPStore(
-            "127.0.0.1",
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=self.config.collective_timeout_s),
-        )
-        self.server = BusServer(
-            self._bind, name="controller", config=self.bus, curve=self._curve, on_peer=self._on_peer
-        )
-        await self.server.start()
-        self.publisher = Publisher(config=self.bus)
-        await self.publisher.__aenter__()
+        with stage("store", WorkerError):
+            self.store: Store = self._given_store or TCPStore(
+                "127.0.0.1",
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=self.config.collective_timeout_s),
+            )
+        stack.callback(self._release_store)
+        # The publisher before the server, so it outlives every peer event the server emits.
+        with stage("publisher", BusError):
+            self.publisher = await stack.enter_async_context(Publisher(config=self.bus))
+        with stage("bus bind", BusError):
+            self.server = await stack.enter_async_context(
+                BusServer(
+                    self._bind,
+                    name="controller",
+                    config=self.bus,
+                    curve=self._curve,
+                    on_peer=self._on_peer,
+                )
+            )
         self.link = WorkerLink(self.server, timeout_s=self.config.request_timeout_s)
         self.ledger = Ledger(
             self.run_dir / "events.jsonl", keep_recent=self.config.ledger_keep_recent
         )
+        stack.callback(self.ledger.close)
         clock = MonotonicClock()
         self.managers = {
             name: GroupManager(
@@ -158,28 +181,41 @@ class Controller:
             )
             for name, spec in self.specs.items()
         }
-        for manager in self.managers.values():
-            await manager.start()
+        with stage("bus bind", BusError):
+            for manager in self.managers.values():
+                await manager.start()
+                stack.push_async_callback(manager.aclose)
         self._build_scheduler(clock)
         self.coordinator.journal.start(self._initial)
-        group = self._group = asyncio.TaskGroup()
-        await group.__aenter__()
-        self._tasks = [group.create_task(m.run(self._stop)) for m in self.managers.values()]
-        self._tasks += [
-            group.create_task(self.coordinator.run()),
-            group.create_task(self.scheduler.run(queued_batches(self._events), self.coordinator)),
-            group.create_task(self._tick()),
-        ]
-        if self.config.metrics_port == 0 and not metrics_available():
-            logger.warning("no metrics endpoint: pip install 'dynarl[metrics]' for one")
-        elif self.config.metrics_port is not None:
-            # After the task group: a failure to bind is cleaned up by aclose().
-            self.metrics = MetricsExporter(
-                self.scheduler, host=self.config.metrics_host, port=self.config.metrics_port
-            )
-            await self.metrics.start()
+        await self._open_metrics(stack)
+        # Runs once the loops below have stopped, while the bus is still open.
+        stack.push_async_callback(self._shutdown_workers)
+        tasks = await stack.enter_async_context(background())
+        stack.callback(self._signal_stop)
+        for manager in self.managers.values():
+            tasks.create_task(manager.run(self._stop))
+        tasks.create_task(self.coordinator.run())
+        tasks.create_task(self.scheduler.run(queued_batches(self._events), self.coordinator))
+        tasks.create_task(self._tick())
         logger.info("controller listening on %s", self.address)
-        return self
+
+    async def _open_metrics(self, stack: AsyncExitStack) -> None:
+        port = self.config.metrics_port
+        if port == 0 and not metrics_available():
+            logger.warning("no metrics endpoint: pip install 'dynarl[metrics]' for one")
+        elif port is not None:
+            exporter = MetricsExporter(self.scheduler, host=self.config.metrics_host, port=port)
+            with stage("metrics port", DynarlError):
+                await stack.enter_async_context(exporter)
+            self.metrics = exporter
+
+    def _signal_stop(self) -> None:
+        self._stop.set()
+        self._events.put_nowait(None)
+
+    def _release_store(self) -> None:
+        # A store the controller made closes its server when the last reference goes.
+        del self.store
 
     def _build_scheduler(self, clock: MonotonicClock) -> None:
         profiles = {n: s.profile for n, s in self.specs.items() if s.profile is not None}
@@ -212,35 +248,10 @@ class Controller:
             journal=self._journal,
         )
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
     async def aclose(self) -> None:
-        """Tell every worker to leave, stop the loops, close every socket (idempotent)."""
-        group, self._group = self._group, None
-        if group is None:
-            return
-        self._stop.set()
-        self._events.put_nowait(None)
-        for task in self._tasks:
-            task.cancel()
-        try:
-            await group.__aexit__(None, None, None)
-            await self._shutdown_workers()
-        finally:
-            for manager in self.managers.values():
-                await manager.aclose()
-            await self.publisher.aclose()
-            await self.server.aclose()
-            if self.metrics is not None:
-                await self.metrics.aclose()
-            self.ledger.close()
-            del self.store
+        """Stop the loops, tell every worker to leave, close every socket, the ledger and
+        the store, in reverse order of opening (idempotent)."""
+        await super().aclose()
 
     async def _shutdown_workers(self) -> None:
         devices = sorted(self.link.registered())
@@ -292,9 +303,24 @@ class Controller:
             raise ValueError(f"no component named {component!r}") from None
 
     def channel(self, name: str, *, capacity: int | None = None) -> Channel[Sample]:
-        """The ``Sample`` channel ``name``, bound to the queues this controller hosts."""
+        """The ``Sample`` channel ``name``, bound to the queues this controller hosts
+        (its operations raise the job's fatal WorkerLostError once it cannot go on)."""
         size = capacity or self.config.channel_capacity
-        return Channel(name, Sample, capacity=size).bind(self.server.channels)
+        backend = GuardedChannels(self.server.channels, self.link.losses)
+        return Channel(name, Sample, capacity=size).bind(backend)
+
+    async def settled(self) -> None:
+        """Return once every worker death seen so far (and any found by probing now) is
+        handled: its device reclaimed, or the job failed.
+
+        Raises the fatal WorkerLostError when the job cannot go on, TimeoutError after
+        ``lease_s + request_timeout_s``.
+        """
+        losses = self.link.losses
+        asked = losses.ask()
+        async with asyncio.timeout(self.config.lease_s + self.config.request_timeout_s):
+            await losses.settled(asked)
+        losses.raise_if_failed()
 
     def post(self, event: SchedulerEvent) -> None:
         """Hand the scheduler an event (a move outcome of a move made outside it)."""
@@ -315,10 +341,29 @@ class Controller:
         return put
 
     async def _tick(self) -> None:
+        """A Tick for the scheduler every decision interval; a judging round over the
+        workers as often, and at once when one is named suspect (``LossHandler``)."""
+        losses = self.link.losses
+        handler = LossHandler(
+            link=self.link,
+            managers=self.managers,
+            scheduler=self.scheduler,
+            coordinator=self.coordinator,
+            faults=self.faults,
+            post=self.post,
+        )
         interval = self.config.scheduler.decision_interval_s
+        loop = asyncio.get_running_loop()
+        due = loop.time() + interval
         while True:
-            await asyncio.sleep(interval)
-            self._events.put_nowait(Tick())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, due - loop.time())):
+                    await losses.changed.wait()
+            losses.changed.clear()
+            await handler.round()
+            if loop.time() >= due:
+                self._events.put_nowait(Tick())
+                due = loop.time() + interval
 
     def _on_report(self, report: ComponentReport) -> None:
         self._events.put_nowait(report)
@@ -330,7 +375,25 @@ class Controller:
     def _on_peer(self, event: PeerEvent) -> None:
         if event.event == "lost":
             logger.warning("peer %s lost", event.peer)
+        self._note_worker(event)
         if self.metrics is not None:
             self.metrics.peer_event(event.event)
         if getattr(self, "publisher", None) is not None:
             self.publisher.publish("peer", event)
+
+    def _note_worker(self, event: PeerEvent) -> None:
+        """A worker registered (record its process), or was lost or left outside the
+        job's end (a suspect, judged on the next turn of the tick)."""
+        prefix, _, tail = event.peer.partition("/")
+        link: WorkerLink | None = getattr(self, "link", None)
+        if prefix != "worker" or not tail.isdigit() or link is None:
+            return
+        device = int(tail)
+        if event.event == "registered":
+            peer = self.server.peer(event.peer)
+            if peer is not None and peer.info is not None:
+                kills = num_kills(self.faults, device) if hasattr(self, "faults") else 0
+                link.losses.registered(device, pid=peer.info.pid, host=peer.info.host, kills=kills)
+        elif not self._stop.is_set():
+            seen = "missed heartbeats" if event.event == "lost" else "left the job"
+            link.losses.suspect(device, cause=seen)

@@ -16,7 +16,12 @@ Each migration has an id (``<decision>-<component>``), a lease and
 idempotent phases; a command already executed is answered from its recorded outcome.
 Every migration's :class:`~dynarl.bus.MigrationRecord` is published and travels in the
 :class:`~dynarl.sched.MoveOutcome` back to the scheduler, which writes it to the ledger.
-Runs on the controller's event loop.
+
+One clock: the coordinator, its drivers, their leases, step timeouts and pauses read (and
+wait on) the injected :class:`~dynarl.sched.Clock` only, never ``time`` directly, so a move
+runs the same in virtual time. ``asyncio.timeout`` deadlines that bound real I/O (a request
+to a worker, a dispatcher's drain) stay on the event loop's clock. Runs on the
+controller's event loop.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Mapping
 
 from dynarl.bus import MigrationRecord
@@ -158,6 +162,7 @@ class Coordinator:
             lease_s=lease_s,
             faults=self.faults,
             epochs=self.next_epoch,
+            clock=self._clock,
         )
 
     def next_epoch(self) -> int:
@@ -181,7 +186,7 @@ class Coordinator:
             if outcome is not None:
                 failure = f"{driver.migration_id}: {outcome.step} failed: {outcome.detail}"
                 break
-        now = time.monotonic()
+        now = self._clock.now()
         if not failure and any(d.deadline - now < self._config.commit_margin_s for d in drivers):
             failure = "lease lapsed before commit"
         if failure:

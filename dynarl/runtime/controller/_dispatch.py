@@ -16,6 +16,13 @@ continuations with priority and affinity kept (parked when no worker is left),
 ``release`` / ``resume`` deactivate and reactivate their roles. Runs on the controller's
 event loop (in the component's group manager).
 
+A worker that dies outside a migration: a request that cannot reach it names it to the
+job's :class:`~dynarl.runtime.controller._losses.Losses` as a suspect; once the controller
+confirms the loss (:meth:`Dispatcher.lose_worker`) nothing more is routed there, its
+queued items go to the others and its in-flight ones follow as their requests fail, none
+of it counted against the item. The forced reclaim of its device then runs as a workload
+migration that skips the dead worker (nothing to abort or release there).
+
 With an :class:`SampleAccounting` attached (``dispatcher.accounting``, e.g. the job's
 :class:`~dynarl.runtime.durable.Manifest`), every attempt is reported: ``dispatch``
 before each request, ``abort`` for a partial output or a failed request (with the tokens
@@ -34,6 +41,7 @@ from dynarl.errors import BusError, PeerLostError, WorkerError
 from dynarl.migrate import PartialRequest
 from dynarl.runtime._worker_protocol import AbortInflight, Done
 from dynarl.runtime.controller._link import WorkerLink
+from dynarl.runtime.controller._losses import Losses
 from dynarl.runtime.controller._progress import Item, Progress
 from dynarl.sched import DataRouter, RequestPolicy
 
@@ -88,7 +96,9 @@ class Dispatcher:
         item_timeout_s: float,
         drain_timeout_s: float,
         policy: RequestPolicy | None = None,
+        losses: Losses | None = None,
     ) -> None:
+        """``losses``: the job's worker losses (None: this dispatcher never hears of one)."""
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.component = component
@@ -102,6 +112,8 @@ class Dispatcher:
         self._draining: set[int] = set()
         self._released: set[int] = set()
         self._drained: dict[int, list[str]] = {}
+        self._losses = losses
+        self._lost: set[int] = set()
         self._changed = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -145,14 +157,18 @@ class Dispatcher:
             self._inflight.setdefault(device, set())
         self._draining.discard(device)
         self._released.discard(device)
+        self._lost.discard(device)
         parked, self._parked = self._parked, []
         self._route(parked)
 
     def submit(self, items: Sequence[Item]) -> None:
         """Accept ``items`` (delivered later to the output sink).
 
-        Raises ValueError for an id already in the dispatcher or repeated in ``items``.
+        Raises ValueError for an id already in the dispatcher or repeated in ``items``,
+        the fatal WorkerLostError once the job cannot go on.
         """
+        if self._losses is not None:
+            self._losses.raise_if_failed()
         ids = [item.sample_id for item in items]
         clash = {i for i in ids if i in self._items or ids.count(i) > 1}
         if clash:
@@ -230,8 +246,16 @@ class Dispatcher:
 
     def _failed(self, worker: int, item_id: str, exc: Exception) -> None:
         pending = self._items[item_id]
-        pending.failures += 1
-        logger.warning("%s: item %s failed on worker %d: %r", self.component, item_id, worker, exc)
+        if self._losses is not None and _unreachable(exc) and not self._is_lost(worker):
+            self._losses.suspect(worker, cause=f"unreachable: {exc}")
+            self._losses.judge_now()  # a dead worker is known lost before the item moves on
+        if self._is_lost(worker):  # not the item's fault: it continues elsewhere
+            logger.info("%s: item %s leaves lost worker %d", self.component, item_id, worker)
+        else:
+            pending.failures += 1
+            logger.warning(
+                "%s: item %s failed on worker %d: %r", self.component, item_id, worker, exc
+            )
         if isinstance(exc, PeerLostError) and worker in self.router.workers:
             self._route([r.request_id for r in self.router.remove_worker(worker)])
         if worker in self._draining:
@@ -246,6 +270,17 @@ class Dispatcher:
             self._fail_item(item_id, f"{type(exc).__name__}: {exc}")
         else:
             self._route([item_id])
+
+    def _is_lost(self, worker: int) -> bool:
+        return worker in self._lost or (self._losses is not None and self._losses.is_lost(worker))
+
+    def lose_worker(self, device: int) -> None:
+        """``device``'s worker died: route nothing more to it; its queued items go to the
+        others (parked if none is left), its in-flight ones follow as their requests fail."""
+        self._lost.add(device)
+        if device in self.router.workers:
+            self._route([r.request_id for r in self.router.remove_worker(device)])
+        self._changed.set()
 
     def _fail_item(self, item_id: str, why: str) -> None:
         sample = self._items.pop(item_id).failed(why)
@@ -269,7 +304,7 @@ class Dispatcher:
         Raises TimeoutError if their requests do not come back within
         ``drain_timeout_s`` (they stay in flight, nothing is lost).
         """
-        busy = [w for w in workers if self._inflight.get(w)]
+        busy = [w for w in workers if self._inflight.get(w) and not self._is_lost(w)]
         await self._link.ask_all(busy, AbortInflight(component=self.component), Done)
         async with asyncio.timeout(self.drain_timeout_s):
             while any(self._inflight.get(w) for w in workers):
@@ -298,13 +333,20 @@ class Dispatcher:
         self._released.update(workers)
 
     async def resume(self, workers: Sequence[int]) -> None:
-        """Undo a move before commit: reactivate released roles, route to them again."""
+        """Undo a move before commit: reactivate released roles, route to them again
+        (a worker lost meanwhile stays out)."""
+        workers = [w for w in workers if not self._is_lost(w)]
         again = [w for w in workers if w in self._released]
         if again:
             await self._roles.activate(again)
         for worker in workers:
             self.add_worker(worker)
         self._pump()
+
+
+def _unreachable(exc: Exception) -> bool:
+    """Whether ``exc`` says the worker could not be reached (gone, or its connection)."""
+    return isinstance(exc, PeerLostError) or type(exc) is BusError
 
 
 def _response_tokens(sample: Sample) -> int:

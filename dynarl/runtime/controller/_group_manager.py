@@ -10,6 +10,13 @@ Dispatcher`, for serving components), the lock that orders user calls and migrat
 (a migration waits for the call in progress: its step boundary), and the group-level
 parts of migrations: activating and releasing roles, P2P reshard steps on every rank,
 and the reboot host. Runs on the controller's event loop.
+
+A worker of the component that dies outside a migration is skipped where nothing is left
+to do on it (releasing or tearing down its role, aborting its requests). A non-serving
+component loses its state with the rank (:attr:`GroupManager.lost`): calls on it raise
+WorkerLostError, a reshard or reboot of it moves nothing (the forced reclaim of the dead
+device only changes its devices and tears its surviving roles down), until a restore
+(``DurableRun.restore``) starts fresh roles and loads its last checkpoint.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -34,11 +41,13 @@ from dynarl.runtime._worker_protocol import (
     LoadState,
     Reshard,
     RoleStatus,
+    RuntimeMessage,
     SaveState,
     StepResult,
 )
 from dynarl.runtime.controller._dispatch import Dispatcher
 from dynarl.runtime.controller._link import WorkerLink
+from dynarl.runtime.controller._losses import Losses, WorkerLoss
 from dynarl.runtime.worker import role_path
 from dynarl.sched import Clock, MetricsBuffer
 
@@ -47,6 +56,10 @@ __all__ = ["GroupManager"]
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[Sample], Coroutine[Any, Any, None]]
+
+R = TypeVar("R")
+
+_STATE_GONE = "its state is gone with it until DurableRun.restore loads the last checkpoint"
 
 
 class GroupManager:
@@ -78,6 +91,12 @@ class GroupManager:
         self.iteration = 0
         self.remaining: int | None = None
         """Items of the iteration left, when the user says (else the workers' figures)."""
+        self.lost: WorkerLoss | None = None
+        """The worker loss that took this (non-serving) component's state, until
+        :meth:`restored`."""
+        self.recoverable = False
+        """Whether a lost rank's state can be restored (a ``DurableRun`` checkpoints this
+        component); if not, losing a rank ends the job."""
         self.dispatcher: Dispatcher | None = None
         if spec.serving:
             self.dispatcher = Dispatcher(
@@ -89,6 +108,8 @@ class GroupManager:
                 item_timeout_s=config.item_timeout_s,
                 drain_timeout_s=config.drain_timeout_s,
                 policy=spec.request_policy,
+                # A stand-in link (a test's) may have no losses to share.
+                losses=getattr(link, "losses", None),
             )
 
     # ------------------------------------------------------------------ life cycle
@@ -183,13 +204,29 @@ class GroupManager:
         await self._link.ask_all(devices, message, RoleStatus)
 
     async def release(self, devices: Sequence[int]) -> None:
-        """Stop the role on ``devices`` (asleep with its state, or torn down)."""
+        """Stop the role on ``devices`` (asleep with its state, or torn down; nothing to
+        do where the worker died)."""
         message = Deactivate(component=self.name, keep=self.spec.keep_asleep)
-        await self._link.ask_all(devices, message, RoleStatus)
+        await self._link.ask_all(self._alive(devices), message, RoleStatus)
 
     async def teardown(self, devices: Sequence[int]) -> None:
-        """Tear the role down on ``devices``."""
-        await self._link.ask_all(devices, Deactivate(component=self.name, keep=False), RoleStatus)
+        """Tear the role down on ``devices`` (nothing to do where the worker died)."""
+        message = Deactivate(component=self.name, keep=False)
+        await self._link.ask_all(self._alive(devices), message, RoleStatus)
+
+    def _alive(self, devices: Sequence[int]) -> list[int]:
+        """``devices`` but those whose worker is known to be dead."""
+        return [d for d in devices if not self._losses.is_lost(d)]
+
+    @property
+    def _losses(self) -> Losses:
+        return self._link.losses
+
+    def restored(self) -> None:
+        """Fresh roles hold the component's state again (a restore): calls go through."""
+        if self.lost is not None:
+            logger.warning("%s restored after %s", self.name, self.lost.describe())
+        self.lost = None
 
     async def start_roles(self) -> None:
         """Activate the component on its initial devices (job start)."""
@@ -212,15 +249,65 @@ class GroupManager:
     ) -> list[CallResult]:
         """Run ``method`` on every worker of the component, at a step boundary.
 
-        Raises BusError (or a subclass) from the first worker that failed.
+        Raises WorkerLostError when a worker of the component died (or had died: its
+        state is gone until a restore; fatal once the job cannot go on), else BusError
+        (or a subclass) from the first worker that failed.
         """
+        self._usable()
         async with self.lock:
+            self._usable()
             message = Call(
                 component=self.name, method=method, samples=tuple(samples), options=options
             )
-            return await self._link.ask_all(
-                self.devices, message, CallResult, deadline_s=deadline_s
-            )
+            return await self.ask_workers(message, CallResult, deadline_s=deadline_s)
+
+    def _usable(self) -> None:
+        """Raise the job's fatal error, or the loss that took the component's state."""
+        self._losses.raise_if_failed()
+        if self.lost is not None:
+            raise self.lost.error(_STATE_GONE, fatal=False)
+
+    async def ask_workers(
+        self, message: RuntimeMessage, reply: type[R], *, deadline_s: float | None = None
+    ) -> list[R]:
+        """Ask every worker of the component at once (a call, a checkpoint); replies in
+        device order. A serving component's dead workers are left out.
+
+        Raises WorkerLostError when one of them died (fatal once the job cannot go on),
+        else as :meth:`WorkerLink.ask_all`. Who holds the component's lock is the caller's
+        business.
+        """
+        losses = self._losses
+        devices = self._alive(self.devices) if self.spec.serving else list(self.devices)
+
+        async def ask(device: int) -> R:
+            try:
+                return await self._link.ask(device, message, reply, deadline_s=deadline_s)
+            except BusError:
+                # A failed rank is often a sign that another one died (a collective
+                # broke): every worker of the component is judged now, so a dead one's
+                # request fails at once instead of at its deadline.
+                losses.suspect(*devices)
+                losses.judge_now()
+                raise
+
+        asking = asyncio.gather(*[ask(d) for d in devices], return_exceptions=True)
+        results: list[R | BaseException] = await losses.unless_failed(asking)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if not failures:
+            return results  # type: ignore[return-value]
+        loss = next((losses.lost[d] for d in devices if losses.is_lost(d)), None)
+        if loss is not None:
+            fatal = losses.failure()
+            raise (fatal or loss.error(self._consequence, fatal=False)) from None
+        raise failures[0]
+
+    @property
+    def _consequence(self) -> str:
+        """What a lost worker means for a call on this component."""
+        if self.spec.serving:
+            return "the call did not complete there (its items continue on the others)"
+        return _STATE_GONE
 
     # ------------------------------------------------------------------ P2P steps
 
@@ -241,6 +328,8 @@ class GroupManager:
         ranks = sorted(set(src) | set(dst))
         if only is not None:
             ranks = [rank for rank in ranks if rank in only]
+        if self.lost is not None:
+            return await self._reshard_lost(step, ranks)
         message = Reshard(
             migration_id=migration_id,
             step=step,
@@ -260,6 +349,21 @@ class GroupManager:
             r if isinstance(r, StepResult) else StepResult(device=d, ok=False, detail=repr(r))
             for d, r in zip(ranks, replies, strict=True)
         ]
+
+    async def _reshard_lost(self, step: str, ranks: Sequence[int]) -> list[StepResult]:
+        """The state died with a rank: there is nothing to reshard, so every step
+        succeeds here; at commit the surviving ranks' roles are torn down (a restore
+        starts fresh ones where the component then is)."""
+        if step == "commit":
+            alive = self._alive(ranks)
+            message = Deactivate(component=self.name, keep=False)
+            replies = await asyncio.gather(
+                *[self._link.ask(d, message, RoleStatus) for d in alive], return_exceptions=True
+            )
+            for device, reply in zip(alive, replies, strict=True):
+                if isinstance(reply, BaseException):
+                    logger.warning("%s: teardown on %d failed: %r", self.name, device, reply)
+        return [StepResult(device=d, ok=True, detail="") for d in ranks]
 
     # ------------------------------------------------------------------ reboot host
 
@@ -293,6 +397,8 @@ class RebootRoles:
 
     async def save(self) -> str:
         """Checkpoint the running roles (a directory under the run directory)."""
+        if self._manager.lost is not None:
+            return "lost"  # nothing left to save: a restore loads the last checkpoint
         if self._in_place:
             return "in-place"
         path = self._manager._run_dir / "reboot" / self._id
@@ -302,21 +408,24 @@ class RebootRoles:
         return str(path)
 
     async def stop(self) -> None:
-        """Stop the running roles (asleep in place, else torn down)."""
-        running, self.running = self.running, ()
+        """Stop the running roles (asleep in place, else torn down; where the worker
+        died there is nothing to stop)."""
+        running, self.running = self._manager._alive(self.running), ()
+        keep = self._in_place and self._manager.lost is None
         if running:
-            message = Deactivate(component=self._manager.name, keep=self._in_place)
+            message = Deactivate(component=self._manager.name, keep=keep)
             await self._manager._link.ask_all(running, message, RoleStatus)
 
     async def start(self, resources: Sequence[int]) -> None:
-        """Start (or wake, in place) the roles on ``resources``."""
-        if resources:
+        """Start (or wake, in place) the roles on ``resources`` (a component whose state
+        was lost starts nothing: its restore does)."""
+        if resources and self._manager.lost is None:
             await self._manager.activate(resources, epoch=self._epochs())
         self.running = tuple(sorted(resources))
 
     async def load(self, checkpoint: str) -> None:
         """Restore ``checkpoint`` into the running roles."""
-        if self._in_place or not self.running:
+        if self._in_place or not self.running or self._manager.lost is not None:
             return
         message = LoadState(component=self._manager.name, path=checkpoint)
         try:

@@ -3,7 +3,8 @@
 Workers register with the controller's bus server as ``worker/<device>``; the link sends
 them runtime requests in an ``Envelope`` and serving requests as they are, each with an
 explicit deadline, and decodes the replies. Group managers and the coordinator share one
-link. Runs on the controller's event loop.
+link, and with it the job's :class:`~dynarl.runtime.controller._losses.Losses`: a request to
+a worker known to be dead fails at once. Runs on the controller's event loop.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TypeVar
 from dynarl.bus import BusServer, GenerationRequest, Sample
 from dynarl.errors import ProtocolError
 from dynarl.runtime._worker_protocol import RuntimeMessage, pack, unpack
+from dynarl.runtime.controller._losses import Losses
 
 __all__ = ["WorkerLink", "worker_name"]
 
@@ -35,13 +37,15 @@ class WorkerLink:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.server = server
         self.timeout_s = timeout_s
+        self.losses = Losses()
+        """The workers known to be dead, and the job's fatal error."""
 
     def registered(self) -> set[int]:
-        """Devices whose worker is registered now."""
+        """Devices whose worker is registered now (and not known to be dead)."""
         out = set()
         for name in self.server.peers():
             prefix, _, device = name.partition("/")
-            if prefix == "worker" and device.isdigit():
+            if prefix == "worker" and device.isdigit() and not self.losses.is_lost(int(device)):
                 out.add(int(device))
         return out
 
@@ -56,13 +60,12 @@ class WorkerLink:
         """Send ``message`` to ``device``'s worker and return its reply of type ``reply``.
 
         Raises PeerLostError, DeadlineExceeded or RemoteError as ``BusServer.request``
-        does, ProtocolError if the reply has another type.
+        does (PeerLostError at once for a worker known to be dead), ProtocolError if the
+        reply has another type.
         """
-        answer = unpack(
-            await self.server.request(
-                worker_name(device), pack(message), timeout=deadline_s or self.timeout_s
-            )
-        )
+        timeout = deadline_s or self.timeout_s
+        request = self.server.request(worker_name(device), pack(message), timeout=timeout)
+        answer = unpack(await self.losses.unless_lost(device, request))
         if not isinstance(answer, reply):
             raise ProtocolError(
                 f"invalid: worker {device} answered {type(message).__name__} with "
@@ -96,7 +99,8 @@ class WorkerLink:
 
         Raises as :meth:`ask` does.
         """
-        answer = await self.server.request(worker_name(device), item, timeout=deadline_s)
+        request = self.server.request(worker_name(device), item, timeout=deadline_s)
+        answer = await self.losses.unless_lost(device, request)
         if not isinstance(answer, Sample):
             raise ProtocolError(
                 f"invalid: worker {device} answered a served item with {type(answer).__name__}"

@@ -1,36 +1,44 @@
 """The migration of one component inside a move: the common part, and the P2P driver.
 
-Every driver runs its forward steps up to (not including) ``commit`` in
-:meth:`Driver.pre_commit`, then either :meth:`Driver.commit` or :meth:`Driver.cancel`
-(abort, then roll back to the previous allocation). Each step first asks the
-:class:`~dynarl.runtime._faults.FaultInjector` (phase ``"<kind>.<step>"``). The drivers:
+One driver per migration kind, each a thin shell over the ``dynarl.migrate`` state machine
+of its kind: the machine sequences the steps (growing from and shrinking to no device
+included), the driver supplies the I/O of each step (a host over the component's group
+manager) and calls nothing but :meth:`~dynarl.migrate.Migration.run_to_commit`, then
+:meth:`~dynarl.migrate.Migration.commit` or :meth:`~dynarl.migrate.Migration.cancel`
+(:meth:`Driver.pre_commit`, :meth:`Driver.commit`, :meth:`Driver.cancel`). Each forward step
+first asks the :class:`~dynarl.runtime._faults.FaultInjector` (phase ``"<kind>.<step>"``).
 
 - :class:`~dynarl.runtime.controller._workload_move.WorkloadMove` (serving components);
-- :class:`P2PMove`: the migrate P2P steps on every rank (``prepare``, ``transfer``,
-  ``verify``, ``commit``), with the coordinator's own lease and log in a migrate
-  ``MigrationState`` (:class:`StepMachine`); the injected message faults (``drop``,
-  ``duplicate``, ``reorder``) apply to its per-rank step messages;
+- :class:`P2PMove`: :class:`~dynarl.migrate.P2PGroupMigration` over every rank of the old and
+  new layouts, one message per rank and step; the injected message faults (``drop``,
+  ``duplicate``, ``reorder``) apply to those messages, so this driver asks the injector in
+  its host rather than at the start of the step;
 - :class:`~dynarl.runtime.controller._reboot_move.RebootMove`.
 
-Runs on the controller's event loop.
+Time: every lease, deadline, step timeout and pause reads the injected
+:class:`~dynarl.sched.Clock` (``now``, ``sleep``), so they run in virtual time under a
+:class:`~dynarl.sched.ManualClock`. The deadlines that bound real I/O (a request to a worker,
+``RuntimeConfig.request_timeout_s``; a dispatcher's drain) stay on the event loop's clock
+as ``asyncio.timeout``: they measure how long a real peer takes, which virtual time cannot
+shorten. Runs on the controller's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dynarl.migrate import MigrationState, Outcome, Step, new_migration, run_step
+from dynarl.migrate import Migration, MigrationState, Outcome, P2PGroupMigration
 from dynarl.runtime._faults import Fault, FaultAction, FaultInjector
 from dynarl.runtime._worker_protocol import StepResult
 from dynarl.runtime.controller._group_manager import GroupManager
+from dynarl.sched import Clock
 from dynarl.types import MigrationKind
 
-__all__ = ["ComponentMove", "Driver", "P2PMove", "StepMachine", "nothing"]
+__all__ = ["ComponentMove", "Driver", "P2PMove"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +70,10 @@ class ComponentMove:
 
 
 class Driver:
-    """Base of the per-component migration drivers (see the module docstring)."""
+    """Base of the per-component migration drivers (see the module docstring).
+
+    A subclass builds its kind's machine in :meth:`_machine`, over a host of its own.
+    """
 
     def __init__(
         self,
@@ -73,96 +84,82 @@ class Driver:
         lease_s: float,
         faults: FaultInjector,
         epochs: Callable[[], int],
+        clock: Clock,
     ) -> None:
         self.move, self.manager, self.migration_id = move, manager, migration_id
-        self.faults, self.epochs = faults, epochs
+        self.faults, self.epochs, self.clock = faults, epochs, clock
         self.lease_s = lease_s
-        self.deadline = time.monotonic() + lease_s
-        self.pause_s = 0.0
         self.bytes_moved = 0
+        self.machine = self._machine()
+
+    def _machine(self) -> Migration:
+        raise NotImplementedError
 
     @property
     def state(self) -> MigrationState:
         """The migration's state machine."""
-        raise NotImplementedError
+        return self.machine.state
 
-    async def fault(self, step: str) -> Fault | None:
+    @property
+    def deadline(self) -> float:
+        """The lease's deadline, on the clock."""
+        return self.state.deadline
+
+    @property
+    def pause_s(self) -> float:
+        """Seconds the component was paused (0 until the move ended)."""
+        return self.machine.pause_s
+
+    async def fault(self, step: object) -> Fault | None:
         """Apply the fault armed for this kind's ``step``, if any; the fault fired."""
-        return await self.faults.at(f"{self.move.kind}.{step}", deadline=self.deadline)
+        phase = f"{self.move.kind}.{step}"
+        return await self.faults.at(phase, deadline=self.deadline, clock=self.clock)
 
     async def pre_commit(self) -> Outcome | None:
         """Run every forward step before commit; the failed outcome, or None."""
-        raise NotImplementedError
+        return await self.machine.run_to_commit()
 
     async def commit(self) -> Outcome:
         """Commit (the devices change hands)."""
-        raise NotImplementedError
+        outcome = await self.machine.commit()
+        if outcome.ok:
+            self.manager.set_devices(self.move.dst)
+        return outcome
 
     async def cancel(self, reason: str) -> Outcome:
         """Abort and roll back; the rollback outcome."""
-        raise NotImplementedError
+        return await self.machine.cancel(reason)
 
 
-class StepMachine:
-    """Steps of one kind on the migrate protocol's state machine (lease, log, replay)."""
+class _Ranks:
+    """Every rank of a P2P move, as the machine's ``P2PHost``: one message per rank."""
 
-    def __init__(self, migration_id: str, kind: MigrationKind, lease_s: float) -> None:
-        self.state = new_migration(migration_id, kind, now=time.monotonic(), lease_s=lease_s)
-
-    async def step(self, step: Step, action: Callable[[], Awaitable[str]]) -> Outcome:
-        """Run ``action`` for ``step`` if the machine allows it; the recorded outcome."""
-        self.state, outcome = await run_step(self.state, step, now=time.monotonic(), action=action)
-        return outcome
-
-
-async def nothing() -> str:
-    """A step with no side effect."""
-    return ""
-
-
-class P2PMove(Driver):
-    """A P2P reshard of the component over every rank of its old and new layouts."""
-
-    def __init__(self, move: ComponentMove, manager: GroupManager, **kwargs: Any) -> None:
-        super().__init__(move, manager, **kwargs)
-        self.epoch = self.epochs()
-        self._machine = StepMachine(self.migration_id, MigrationKind.P2P, self.lease_s)
-        self._began = 0.0
+    def __init__(self, driver: P2PMove) -> None:
+        self._driver = driver
         self._previous = ""
 
-    @property
-    def state(self) -> MigrationState:
-        return self._machine.state
+    async def step(self, step: object) -> Mapping[int, str]:
+        name = str(step)
+        fired = await self._driver.fault(name)
+        results = await self._send(name, fired)
+        self._driver.bytes_moved += sum(r.bytes_moved for r in results)
+        self._previous = name
+        return {r.device: r.detail for r in results if not r.ok}
 
-    def _action(
-        self, step: str, needed: Sequence[int] | None = None
-    ) -> Callable[[], Awaitable[str]]:
-        """The step on every rank; it fails if a rank of ``needed`` (default: every
-        rank) fails."""
-
-        async def act() -> str:
-            fired = await self.fault(step)
-            results = await self._send(step, fired)
-            self.bytes_moved += sum(r.bytes_moved for r in results)
-            self._previous = step
-            failed = [r for r in results if not r.ok]
-            moot = [r for r in failed if needed is not None and r.device not in needed]
-            if moot:
-                details = "; ".join(f"rank {r.device}: {r.detail}" for r in moot)
-                why = "on ranks holding nothing of the old layout (their watchdogs roll back)"
-                logger.warning("%s: %s failed %s: %s", self.migration_id, step, why, details)
-            return "; ".join(f"rank {r.device}: {r.detail}" for r in failed if r not in moot)
-
-        return act
+    async def close(self) -> None:
+        failed = await self.step("close")
+        if failed:
+            logger.warning("%s: close failed on ranks %s", self._driver.migration_id, failed)
 
     async def _ask(self, step: str, only: Sequence[int] | None = None) -> list[StepResult]:
-        return await self.manager.reshard(
+        driver = self._driver
+        return await driver.manager.reshard(
             step,
-            migration_id=self.migration_id,
-            src=self.move.src,
-            dst=self.move.dst,
-            epoch=self.epoch,
-            lease_s=max(self.deadline - time.monotonic(), 0.001),
+            migration_id=driver.migration_id,
+            src=driver.move.src,
+            dst=driver.move.dst,
+            epoch=driver.epoch,
+            lease_s=max(driver.deadline - driver.clock.now(), 0.001),
             only=only,
         )
 
@@ -171,12 +168,14 @@ class P2PMove(Driver):
         action = fired.action if fired is not None else None
         if action is FaultAction.DROP:
             assert fired is not None
-            ranks = sorted(set(self.move.src) | set(self.move.dst))
+            driver = self._driver
+            ranks = sorted(set(driver.move.src) | set(driver.move.dst))
             lost = fired.device if fired.device is not None else ranks[0]
             delivered = self._ask(step, [r for r in ranks if r != lost])
             # The lost message's reply never comes: the step waits out its deadline.
-            wait = min(max(self.deadline - time.monotonic(), 0.0), self.manager.request_timeout_s)
-            results, _ = await asyncio.gather(delivered, asyncio.sleep(wait))
+            left = max(driver.deadline - driver.clock.now(), 0.0)
+            wait = min(left, driver.manager.request_timeout_s)
+            results, _ = await asyncio.gather(delivered, driver.clock.sleep(wait))
             timeout = StepResult(device=lost, ok=False, detail=f"no reply to {step} (dropped)")
             return sorted([*results, timeout], key=lambda r: r.device)
         results = await self._ask(step)
@@ -184,31 +183,24 @@ class P2PMove(Driver):
             results = await self._ask(step)  # the second copy: answered from the log
         elif action is FaultAction.REORDER and self._previous:
             late = await self._ask(self._previous)  # a stale copy after the current step
-            logger.info("%s: late %s answered %s", self.migration_id, self._previous, late)
+            logger.info("%s: late %s answered %s", self._driver.migration_id, self._previous, late)
         return results
 
-    async def pre_commit(self) -> Outcome | None:
-        self._began = time.monotonic()
-        for step in (Step.PREPARE, Step.TRANSFER, Step.VERIFY):
-            outcome = await self._machine.step(step, self._action(str(step)))
-            if not outcome.ok:
-                return outcome
-        return None
 
-    async def commit(self) -> Outcome:
-        outcome = await self._machine.step(Step.COMMIT, self._action("commit"))
-        self.pause_s = time.monotonic() - self._began
-        if outcome.ok:
-            self.manager.set_devices(self.move.dst)
-            await self._action("close")()
-        return outcome
+class P2PMove(Driver):
+    """A P2P reshard of the component over every rank of its old and new layouts."""
 
-    async def cancel(self, reason: str) -> Outcome:
-        # The rollback restores the old layout: only its ranks must succeed (a joining
-        # rank that is gone or unresponsive holds none of it).
-        src = self.move.src
-        await self._machine.step(Step.ABORT, self._action("abort", src))
-        outcome = await self._machine.step(Step.ROLLBACK, self._action("rollback", src))
-        await self._action("close")()
-        self.pause_s = time.monotonic() - self._began
-        return outcome
+    def __init__(self, move: ComponentMove, manager: GroupManager, **kwargs: Any) -> None:
+        self.epoch = 0
+        super().__init__(move, manager, **kwargs)
+
+    def _machine(self) -> Migration:
+        self.epoch = self.epochs()
+        return P2PGroupMigration(
+            migration_id=self.migration_id,
+            src=self.move.src,
+            dst=self.move.dst,
+            host=_Ranks(self),
+            lease_s=self.lease_s,
+            clock=self.clock.now,
+        )

@@ -39,9 +39,10 @@ import math
 import re
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from types import TracebackType
+from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
+from dynarl._resource import AsyncResource
 from dynarl.bus import DecisionRecord, MigrationRecord
 from dynarl.sched import LedgerRecord, SafeModeRecord, Scheduler
 
@@ -144,7 +145,7 @@ class _SchedulerCollector:
         yield error
 
 
-class MetricsExporter:
+class MetricsExporter(AsyncResource):
     """Prometheus metrics of one controller (see the module docstring)."""
 
     def __init__(self, scheduler: Scheduler, *, host: str = "127.0.0.1", port: int = 0) -> None:
@@ -162,6 +163,8 @@ class MetricsExporter:
         """The most recent uncommitted rounds counted (a long job has one a second)."""
         self._measured: set[str] = set()
         self._server: asyncio.Server | None = None
+        self._requests: set[asyncio.Task[Any]] = set()
+        """The connections being answered (cancelled when the endpoint closes)."""
         scheduler.ledger.add_listener(self.observe)
         for record in scheduler.ledger.query():
             self.observe(record)
@@ -308,32 +311,34 @@ class MetricsExporter:
         return f"http://{host}:{self.port}/metrics"
 
     async def start(self) -> None:
-        """Bind the endpoint (port 0: a free one). Raises OSError when it cannot bind."""
+        """Bind the endpoint (port 0: a free one). Raises OSError when it cannot bind,
+        RuntimeError if it was already started."""
+        await self._open_resource()
+
+    async def _open(self, stack: AsyncExitStack) -> None:
         if self.host not in _LOOPBACK:
             logger.warning("metrics endpoint on %s: reachable beyond this machine", self.host)
         self._server = await asyncio.start_server(self._handle, self.host, self._port)
+        stack.push_async_callback(self._close_server, self._server)
         logger.info("metrics at %s", self.url)
+
+    async def _close_server(self, server: asyncio.Server) -> None:
+        self._server = None
+        server.close()
+        requests = list(self._requests)
+        for task in requests:
+            task.cancel()
+        await asyncio.gather(*requests, return_exceptions=True)
+        await server.wait_closed()
 
     async def aclose(self) -> None:
         """Stop serving (idempotent)."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.close()
-            await server.wait_closed()
-
-    async def __aenter__(self) -> MetricsExporter:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
+        await super().aclose()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._requests.add(task)
         try:
             async with asyncio.timeout(_REQUEST_TIMEOUT_S):
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -347,6 +352,7 @@ class MetricsExporter:
         ):
             pass
         finally:
+            self._requests.discard(task)
             writer.close()
 
     def _respond(self, head: bytes) -> bytes:
@@ -367,8 +373,8 @@ class MetricsExporter:
 def _result(record: DecisionRecord) -> str:
     if record.committed:
         return "committed"
-    head = record.reason.split(":")[0].split(",")[0].strip()
-    return head if head in ("hold", "rejected", "observe-only") else "other"
+    family = record.reason.family
+    return family if family in ("hold", "rejected", "observe-only") else "other"
 
 
 def _reply(status: str, content_type: str, body: bytes, length: int | None = None) -> bytes:

@@ -29,6 +29,7 @@ on a local SSD), serialised by a lock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -183,7 +184,8 @@ def recover(path: str | os.PathLike[str]) -> JournalState:
 class Journal:
     """The writer: recovers ``path`` (creating it if needed), cuts a torn tail, appends.
 
-    Use as a context manager or call :meth:`close`. Every append validates the record
+    Constructing opens the file, as :func:`open` does (a failure part-way closes it again);
+    use as a context manager or call :meth:`close`. Every append validates the record
     (ValueError, nothing written), writes it whole and fsyncs it before returning; if the
     write fails, the file is cut back to its last whole record and the error re-raised.
     Raises IntegrityError when opening a damaged journal.
@@ -202,15 +204,18 @@ class Journal:
         existing = self.path.exists() and self.path.stat().st_size > 0
         read = read_journal(self.path) if existing else None
         self._state = _fold(self.path, read.records) if read else JournalState()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
         self._size = read.valid_bytes if read else 0
         if read is not None and read.torn_bytes:
             logger.warning("journal %s: cut a torn last record (%d bytes)", path, read.torn_bytes)
-        os.ftruncate(self._fd, self._size)
-        os.fsync(self._fd)
-        if not existing or not self._state.started:
-            _fsync_directory(self.path.parent)
-            self.append(JournalHeader(format=FORMAT_VERSION, job=job, time=self._clock()))
+        with contextlib.ExitStack() as opening:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+            opening.callback(self.close)  # unless the journal opens whole
+            os.ftruncate(self._fd, self._size)
+            os.fsync(self._fd)
+            if not existing or not self._state.started:
+                _fsync_directory(self.path.parent)
+                self.append(JournalHeader(format=FORMAT_VERSION, job=job, time=self._clock()))
+            opening.pop_all()
         logger.info("journal %s open at epoch %d", self.path, self._state.epoch)
 
     @property

@@ -2,8 +2,9 @@
 
 ``spawn`` starts ``python -m dynarl.runtime.worker`` with a worker's options (its output
 goes to ``<log_dir>/worker-<device>.log`` when a log directory is given). ``stop`` ends
-every process the launcher started: SIGTERM, a bounded wait, then SIGKILL; leaving the
-``async with`` block does it too, on error as well. ``kill`` is the fault-injection seam
+every process the launcher started: SIGTERM, a bounded wait, then SIGKILL; closing the
+launcher (leaving its ``async with`` block, on error as well) does it too, and workers
+are started only while it is open. ``kill`` is the fault-injection seam
 (SIGKILL one worker). Waiting never blocks the event loop (the exit status is polled).
 Runs on the controller's event loop.
 """
@@ -19,10 +20,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from contextlib import AsyncExitStack
 from pathlib import Path
-from types import TracebackType
 from typing import IO
 
+from dynarl._resource import AsyncResource
 from dynarl.errors import WorkerError
 from dynarl.runtime.worker import WorkerOptions
 
@@ -33,7 +35,7 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.05
 
 
-class LocalLauncher:
+class LocalLauncher(AsyncResource):
     """Spawns worker processes and stops exactly those (see the module docstring)."""
 
     def __init__(
@@ -52,23 +54,29 @@ class LocalLauncher:
         self.stop_timeout_s = stop_timeout_s
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._logs: dict[int, IO[bytes]] = {}
+        self._spawning = False
 
-    async def __aenter__(self) -> LocalLauncher:
-        return self
+    async def _open(self, stack: AsyncExitStack) -> None:
+        self._spawning = True
+        stack.push_async_callback(self._close)
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def _close(self) -> None:
+        self._spawning = False
         await self.stop()
+
+    async def aclose(self) -> None:
+        """Stop every worker started here (as :meth:`stop`); no more can be started
+        (idempotent)."""
+        await super().aclose()
 
     def spawn(self, options: WorkerOptions) -> int:
         """Start the worker of ``options.device``; returns its pid.
 
-        Raises WorkerError if a live worker of that device was already started here.
+        Raises WorkerError if a live worker of that device was already started here, or
+        if the launcher is not open.
         """
+        if not self._spawning:
+            raise WorkerError("the launcher is not open: use `async with LocalLauncher(...)`")
         device = options.device
         old = self._procs.get(device)
         if old is not None and old.poll() is None:
@@ -120,14 +128,20 @@ class LocalLauncher:
         return code
 
     async def stop(self) -> None:
-        """Terminate every worker started here, kill those that outlive the timeout."""
+        """Terminate every worker started here, kill those that outlive the timeout (or
+        every one still running, if the wait is cancelled)."""
         for proc in self._procs.values():
             if proc.poll() is None:
                 proc.terminate()
-        await _exited(list(self._procs.values()), self.stop_timeout_s)
+        try:
+            await _exited(list(self._procs.values()), self.stop_timeout_s)
+        finally:
+            self._kill_all()
+
+    def _kill_all(self) -> None:
         for device, proc in self._procs.items():
             if proc.poll() is None:
-                logger.warning("worker %d (pid %d) ignored SIGTERM: killing it", device, proc.pid)
+                logger.warning("worker %d (pid %d) still running: killing it", device, proc.pid)
                 proc.kill()
                 proc.wait(timeout=self.stop_timeout_s)
         for log in self._logs.values():

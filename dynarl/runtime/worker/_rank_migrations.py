@@ -5,23 +5,30 @@ steps. ``prepare`` creates the rank's :class:`~dynarl.migrate.P2PMigration` (ado
 fresh, inactive role instance on a rank that joins) and arms a watchdog: if the migration
 has neither committed nor rolled back when its lease lapses (plus a grace), the rank aborts
 and rolls back on its own. Steps run on the worker's compute thread, so they never overlap
-the role's own compute; a repeated step answers from the migration's log. Runs on the
+the role's own compute; a repeated step answers from the migration's log. Which step
+comes next is the coordinator's machine's to say (:class:`~dynarl.migrate.P2PGroupMigration`);
+this module only runs the step each message names.
+
+The lease, the watchdog's wait and the steps' durations read the injected
+:class:`~dynarl.sched.Clock` (the monotonic clock by default); the collectives' own
+deadlines (``timeout_s``) bound real I/O and stay with torch.distributed. Runs on the
 worker's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dynarl.migrate import ExecutorConfig, Outcome, P2PConfig, P2PMigration
 from dynarl.runtime._worker_protocol import Activate, Reshard, StepResult
 from dynarl.runtime.worker._host import RoleHost
 from dynarl.runtime.worker._role import ComputeThread, Reshardable
+from dynarl.sched import Clock, MonotonicClock
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -40,7 +47,6 @@ class _Entry:
     joined: bool
     watchdog: asyncio.Task[None] | None = None
     ended: bool = False
-    began: float = field(default_factory=time.perf_counter)
 
 
 class RankMigrations:
@@ -55,15 +61,17 @@ class RankMigrations:
         store: Callable[[], Store],
         group: asyncio.TaskGroup,
         timeout_s: float = 20.0,
+        clock: Clock | None = None,
     ) -> None:
         self.device = device
         self._host, self._compute, self._store, self._group = host, compute, store, group
         self._timeout_s = timeout_s
+        self._clock = clock if clock is not None else MonotonicClock()
         self._entries: dict[str, _Entry] = {}
 
     async def step(self, command: Reshard) -> StepResult:
         """Run one step; never raises for a failed step (the result says why)."""
-        began = time.perf_counter()
+        began = self._clock.now()
         try:
             ok, detail, moved = await self._step(command)
         except Exception as exc:  # the command's boundary: a failed step, reported
@@ -74,7 +82,7 @@ class RankMigrations:
             ok=ok,
             detail=detail,
             bytes_moved=moved,
-            seconds=time.perf_counter() - began,
+            seconds=self._clock.now() - began,
         )
 
     async def _step(self, command: Reshard) -> tuple[bool, str, int]:
@@ -99,7 +107,7 @@ class RankMigrations:
             case "abort":
                 return (*_result(await self._compute.run(migration.abort, "coordinator")), 0)
             case "rollback":
-                return (*_result(await self._rollback(entry)), 0)
+                return (*_result(await self._undo(entry, migration.rollback)), 0)
             case "close":
                 await self._compute.run(migration.close)
                 self._end(entry)
@@ -142,6 +150,7 @@ class RankMigrations:
             epoch=command.epoch,
             trainer=role,
             config=config,
+            clock=self._clock.now,
         )
         entry = _Entry(migration=migration, command=command, joined=joined)
         entry.watchdog = self._group.create_task(self._watch(entry))
@@ -172,8 +181,10 @@ class RankMigrations:
             )
         return outcome
 
-    async def _rollback(self, entry: _Entry) -> Outcome:
-        outcome = await self._compute.run(entry.migration.rollback)
+    async def _undo(self, entry: _Entry, undo: Callable[[], Outcome]) -> Outcome:
+        """Run ``undo`` (a rollback) on the compute thread; once it succeeded the
+        migration has ended here, and a joining rank drops the role it adopted."""
+        outcome = await self._compute.run(undo)
         if outcome.ok:
             self._end(entry)
             if entry.joined:
@@ -186,7 +197,7 @@ class RankMigrations:
             entry.watchdog.cancel()
 
     async def _watch(self, entry: _Entry) -> None:
-        await asyncio.sleep(entry.command.lease_s + _GRACE_S)
+        await self._clock.sleep(entry.command.lease_s + _GRACE_S)
         if entry.ended or entry.migration.state.committed:
             return
         logger.warning(
@@ -195,8 +206,7 @@ class RankMigrations:
             entry.migration.migration_id,
         )
         try:
-            await self._compute.run(entry.migration.abort, "lease lapsed")
-            await self._rollback(entry)
+            await self._undo(entry, functools.partial(entry.migration.abandon, "lease lapsed"))
         except Exception:  # the watchdog's boundary: logged, the coordinator retries
             logger.exception("rank %d: self-rollback failed", self.device)
 

@@ -50,7 +50,7 @@ from dynarl.sched import (
     RequestPolicy,
     Scheduler,
 )
-from dynarl.sim._components import COMPONENTS, migration_bytes
+from dynarl.sim._components import COMPONENTS, SimEvent, migration_bytes
 from dynarl.sim._profile import predictor_profiles, start_partition
 from dynarl.sim._simulator import Simulation
 from dynarl.types import Allocation
@@ -129,13 +129,13 @@ class DynarlPolicy:
         for command in self.scheduler.handle_many(reports[name] for name in COMPONENTS):
             self._execute(sim, command)
 
-    def on_event(self, sim: Simulation, event: str, iteration: int, index: int = 0) -> None:
+    def on_event(self, sim: Simulation, event: SimEvent, iteration: int, index: int = 0) -> None:
         """At an iteration's end, return to the iteration-start allocation (the barrier
         rule); once rollout or inference is done, unpark a stalled stage (the module
         docstring)."""
-        if event == "iteration_end":
+        if event is SimEvent.ITERATION_END:
             self._barrier = iteration
-        elif event in ("rollout_done", "inference_done"):
+        elif event in (SimEvent.ROLLOUT_DONE, SimEvent.INFERENCE_DONE):
             self._unpark = True
         else:
             return

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from dynarl.bus import ComponentReport
 from dynarl.sched import DeviceMove
+from dynarl.sim._components import SimEvent
 from dynarl.sim._profile import best_partition, rlinf_dp_sizes
 from dynarl.sim._simulator import Simulation
 
@@ -48,11 +49,11 @@ class RlinfRule:
     def on_reports(self, sim: Simulation, reports: Mapping[str, ComponentReport]) -> None:
         """RLinf reads no utilization signal."""
 
-    def on_event(self, sim: Simulation, event: str, iteration: int, index: int = 0) -> None:
+    def on_event(self, sim: Simulation, event: SimEvent, iteration: int, index: int = 0) -> None:
         """Scale at mini-batch boundaries; restore the initial split at the step's end."""
-        if event == "minibatch" and not self.busy:
+        if event is SimEvent.MINIBATCH and not self.busy:
             self._scale(sim)
-        elif event == "iteration_end":
+        elif event is SimEvent.ITERATION_END:
             if self.busy:
                 self.restore_pending = True
             else:

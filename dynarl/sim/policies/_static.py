@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from dynarl.bus import ComponentReport
 from dynarl.sched import DeviceMove
+from dynarl.sim._components import SimEvent
 from dynarl.sim._profile import best_partition
 from dynarl.sim._simulator import Simulation
 
@@ -33,14 +34,14 @@ class StaticSequential:
     def on_reports(self, sim: Simulation, reports: Mapping[str, ComponentReport]) -> None:
         """Static: nothing to decide."""
 
-    def on_event(self, sim: Simulation, event: str, iteration: int, index: int = 0) -> None:
+    def on_event(self, sim: Simulation, event: SimEvent, iteration: int, index: int = 0) -> None:
         """Switch every GPU to the next stage when the current one is done (past a fused
         inference stage, which needs no GPU)."""
         fused = sim.workload.inference.fused
         step = {
-            "rollout_done": ("rollout", "trainer" if fused else "inference"),
-            "inference_done": None if fused else ("inference", "trainer"),
-            "iteration_end": ("trainer", "rollout"),
+            SimEvent.ROLLOUT_DONE: ("rollout", "trainer" if fused else "inference"),
+            SimEvent.INFERENCE_DONE: None if fused else ("inference", "trainer"),
+            SimEvent.ITERATION_END: ("trainer", "rollout"),
         }.get(event)
         if step is None:
             return
@@ -69,5 +70,5 @@ class StaticSplit:
     def on_reports(self, sim: Simulation, reports: Mapping[str, ComponentReport]) -> None:
         """Static: nothing to decide."""
 
-    def on_event(self, sim: Simulation, event: str, iteration: int, index: int = 0) -> None:
+    def on_event(self, sim: Simulation, event: SimEvent, iteration: int, index: int = 0) -> None:
         """Static: nothing to decide."""

@@ -26,6 +26,7 @@ import numpy as np
 
 from dynarl.bus import ComponentReport
 from dynarl.sched import DeviceMove, DynamicScheduleContext, HybridController, build_policy
+from dynarl.sim._components import SimEvent
 from dynarl.sim._event_loop import Task, Wait
 from dynarl.sim._profile import best_partition
 from dynarl.sim._rollout import Rollout
@@ -98,7 +99,7 @@ class VerlHybrid:
     def on_reports(self, sim: Simulation, reports: Mapping[str, ComponentReport]) -> None:
         """verl's controller acts per step, not per report."""
 
-    def on_event(self, sim: Simulation, event: str, iteration: int, index: int = 0) -> None:
+    def on_event(self, sim: Simulation, event: SimEvent, iteration: int, index: int = 0) -> None:
         """No synchronous events in this mode."""
 
     # ------------------------------------------------------------- rollouter
