@@ -15,14 +15,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dynarl.testing._message_strategies import arbitrary_message_strategy, message_strategy
 from dynarl.testing._seams import (
     AllReduce,
     ScriptedRollout,
     ShadowTrainer,
     TinyState,
     TinyTrainer,
-    arbitrary_message_strategy,
-    message_strategy,
     scripted_token,
     tiny_param_specs,
 )
