@@ -15,13 +15,16 @@ gives up if it was the last one. The trainer here keeps no checkpoint (``Durable
 that), so losing its worker stops the job with one error naming the component, worker,
 device and signal.
 
-Run: ``.venv/bin/python examples/custom_loop.py`` (about half a minute).
+Run: ``.venv/bin/python examples/custom_loop.py`` (about half a minute). The run directory
+(the ledger ``events.jsonl``, the workers' logs) is a temporary one removed at the end;
+``--run-dir DIR`` keeps it in ``DIR``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import tempfile
 
 import dynarl
@@ -89,10 +92,10 @@ async def train(job: dynarl.Job, iteration: int, count: int) -> list[Sample]:
     return samples
 
 
-async def main(iterations: int, count: int) -> None:
+async def main(iterations: int, count: int, run_dir: str) -> None:
     scheduler = SchedulerConfig(donor_window_s=1.0, stats_window_s=5.0, decision_interval_s=0.5)
     config = dynarl.JobConfig(
-        run_dir=tempfile.mkdtemp(prefix="dynarl-custom-loop-"),
+        run_dir=run_dir,
         runtime=dynarl.RuntimeConfig(scheduler=scheduler, report_interval_s=0.5),
     )
     async with dynarl.Job(components(), config) as job:
@@ -120,8 +123,15 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--samples", type=int, default=12)
+    parser.add_argument(
+        "--run-dir", help="keep the run directory here (default: a temporary one, removed)"
+    )
     args = parser.parse_args()
-    try:
-        asyncio.run(main(args.iterations, args.samples))
-    except WorkerLostError as lost:  # a worker died and the job could not go on
-        raise SystemExit(f"job stopped: {lost}") from None
+    with contextlib.ExitStack() as stack:
+        run_dir = args.run_dir or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="dynarl-custom-loop-")
+        )
+        try:
+            asyncio.run(main(args.iterations, args.samples, run_dir))
+        except WorkerLostError as lost:  # a worker died and the job could not go on
+            raise SystemExit(f"job stopped: {lost}") from None

@@ -3,13 +3,14 @@
 #
 # What a real two-node launch does, on loopback: each node gets a CURVE key pair
 # (`dynarl keys`, run outside the job), every node trusts the public keys in one
-# allow-list directory, and each node runs the same torchrun command (c10d rendezvous;
-# node 0 hosts it). Rank 0 runs the controller of examples/two_node_job.py, every rank a
+# allow-list directory, and each node runs one torchrun command, the same on every node
+# but for --key-file, which names that node's own secret key (c10d rendezvous; node 0
+# hosts it). Rank 0 runs the controller of examples/two_node_job.py, every rank a
 # worker; the bus is authenticated and encrypted (--curve; always on for a routable
 # --bind-host). On real machines: --rdzv-endpoint HOST0:PORT, --bind-host 0.0.0.0, the
 # key files provisioned on each node, and a --job-dir every node shares. See docs/torchrun.md.
 #
-# Usage: examples/torchrun_two_node.sh [NUM_SAMPLES]   (from the repository root; ~30 s)
+# Usage: examples/torchrun_two_node.sh [NUM_SAMPLES]   (from the repository root; about 10 s)
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

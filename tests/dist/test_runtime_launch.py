@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.dist
 ROOT = Path(__file__).parent.parent.parent
 
 
-def test_the_custom_loop_example_runs() -> None:
+def test_the_custom_loop_example_runs_and_leaves_no_run_directory(tmp_path: Path) -> None:
     example = ROOT / "examples" / "custom_loop.py"
     done = subprocess.run(
         [sys.executable, str(example), "--iterations", "1", "--samples", "8"],
@@ -26,8 +27,10 @@ def test_the_custom_loop_example_runs() -> None:
         text=True,
         timeout=240,
         check=False,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []  # its temporary run directory is gone
     lines = done.stdout.splitlines()
     assert lines[0].startswith("job started: {'rollout': [0, 1], 'trainer': [2]}")
     assert "iteration 0:  8/8 samples" in done.stdout
