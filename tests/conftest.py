@@ -48,10 +48,12 @@ import asyncio.runners  # noqa: E402
 import gc  # noqa: E402
 import multiprocessing.forkserver  # noqa: E402
 import multiprocessing.resource_tracker  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import weakref  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import psutil  # noqa: E402
@@ -164,9 +166,29 @@ def _helper_pids() -> set[int]:
     return {pid for pid in pids if pid}
 
 
+def _descendants() -> list[psutil.Process]:
+    """Every process below this one: read from ``/proc/<pid>/task/<tid>/children`` where
+    Linux has it (a few reads, against psutil's scan of all of ``/proc``: ~16 ms a call,
+    twice per test)."""
+    if not Path("/proc/self/task").is_dir():
+        return psutil.Process().children(recursive=True)
+    found: list[psutil.Process] = []
+    queue = [os.getpid()]
+    while queue:
+        pid = queue.pop()
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                for child in (task / "children").read_text().split():
+                    found.append(psutil.Process(int(child)))
+                    queue.append(int(child))
+        except (FileNotFoundError, ProcessLookupError, psutil.NoSuchProcess):
+            continue  # it exited while we looked
+    return found
+
+
 def _live_children() -> dict[int, psutil.Process]:
     alive = {}
-    for child in psutil.Process().children(recursive=True):
+    for child in _descendants():
         try:
             if child.status() != psutil.STATUS_ZOMBIE:
                 alive[child.pid] = child
