@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import dynarl
+
+if TYPE_CHECKING:
+    from dynarl.sim import Workload
 
 __all__ = ["build_parser", "main"]
 
@@ -197,16 +201,16 @@ def _add_simulate(commands: argparse._SubParsersAction[_Parser]) -> None:
         type=_policies,
         default=None,
         help="comma-separated policies, from: " + ", ".join(_POLICIES) + " (default: all of "
-        "them; with --sweep: dynarl)",
+        "them; with --sweep: static-sequential,dynarl)",
     )
     run.add_argument(
         "--sweep",
         metavar="KEY=V1,V2,...",
         type=_sweep,
-        help="simulate once for each value of one workload setting. KEY: u_low (the "
-        "scheduler's U_low), t_window (its T), a top-level key such as seed, or SECTION.FIELD "
-        "for any field of the file, e.g. u_low=0.01,0.1,0.3 or "
-        "scheduler.min_move_interval_s=5,10 (default: no sweep)",
+        help="simulate once for each value of one workload setting and print one table, a "
+        "row per value and policy. KEY: u_low (the scheduler's U_low), t_window (its T), a "
+        "top-level key such as seed, or SECTION.FIELD for any field of the file, e.g. "
+        "u_low=0.01,0.1,0.3 or scheduler.min_move_interval_s=5,10 (default: no sweep)",
     )
     run.add_argument(
         "--vector",
@@ -216,7 +220,11 @@ def _add_simulate(commands: argparse._SubParsersAction[_Parser]) -> None:
     out = sim.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON document, no table")
     out.add_argument(
-        "--plot", metavar="DIR", help="also write an allocation-timeline PNG per policy into DIR"
+        "--plot",
+        metavar="DIR",
+        help="also write PNGs into DIR: an allocation timeline per policy, all on one time "
+        "axis, and one of every policy side by side; with --sweep, these for each value and "
+        "one chart of iteration time, throughput and speedup against the swept value",
     )
     out.add_argument("--verbose", action="store_true", help="log the scheduler's warnings")
     sim.set_defaults(handler=_simulate)
@@ -333,7 +341,6 @@ def _parse_value(text: str) -> object:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    import json
     import logging
 
     logging.basicConfig(
@@ -341,52 +348,75 @@ def _simulate(args: argparse.Namespace) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
 
-    from dynarl.sim import (
-        compare,
-        format_table,
-        load_workload,
-        plot_timelines,
-        results_json,
-        with_overrides,
-    )
+    from dynarl.sim import compare, format_table, load_workload, plot_timelines, results_json
     from dynarl.sim.policies import POLICY_NAMES
 
     try:
         workload = load_workload(args.workload)
+        if args.sweep:  # a _Sweep, its key checked by _sweep
+            return _simulate_sweep(args, workload)
+        results = compare(workload, args.policy or POLICY_NAMES, vector=args.vector)
     except (OSError, ValueError) as err:
         print(f"dynarl simulate: {err}", file=sys.stderr)
         return 2
-    default = ("dynarl",) if args.sweep else POLICY_NAMES
-    policies: tuple[str, ...] = args.policy or default  # checked by _policies
-    runs: list[tuple[str, object]] = [("", None)]
-    key = ""
-    if args.sweep:  # a _Sweep, its key checked by _sweep
-        key = args.sweep.key
-        runs = [(f"{key}={v}", _parse_value(v)) for v in args.sweep.values]
-    documents = []
-    for label, value in runs:
-        try:
-            current = with_overrides(workload, {key: value}) if label else workload
-            results = compare(current, policies, vector=args.vector)
-        except ValueError as err:
-            print(f"dynarl simulate: {err}", file=sys.stderr)
-            return 2
-        title = f"{workload.name}" + (f"  [{label}]" if label else "")
-        if args.json:
-            documents.append(json.loads(results_json(results, workload=title)))
-        else:
-            print(format_table(results, title=title))
-            print()
-        if args.plot:
-            prefix = f"{workload.name}-" + (f"{label}-" if label else "")
-            paths = plot_timelines(
-                {r.policy: r.timeline for r in results}, args.plot, prefix=prefix
-            )
-            if not args.json:
-                print("plots: " + ", ".join(str(p) for p in paths))
     if args.json:
-        doc = documents[0] if not args.sweep else {"sweep": key, "runs": documents}
-        print(json.dumps(doc, indent=2))
+        print(results_json(results, workload=workload.name))
+    else:
+        print(format_table(results, title=workload.name))
+        print()
+    if args.plot:
+        timelines = {r.policy: r.timeline for r in results}
+        paths = plot_timelines(timelines, args.plot, prefix=f"{workload.name}-")
+        if not args.json:
+            print("plots: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+_SWEEP_POLICIES = ("static-sequential", "dynarl")
+"""The policies a sweep runs unless ``--policy`` names others: dynarl and its speedup."""
+
+
+def _simulate_sweep(args: argparse.Namespace, workload: Workload) -> int:
+    """``simulate --sweep``: the policies once per value, one table of them all, and with
+    ``--plot`` the timelines of each value and one chart of the figures against the
+    value. Raises ValueError for a value the workload refuses."""
+    import json
+
+    from dynarl.sim import (
+        compare,
+        format_sweep,
+        plot_sweep,
+        plot_timelines,
+        results_json,
+        with_overrides,
+    )
+
+    key: str = args.sweep.key
+    policies: tuple[str, ...] = args.policy or _SWEEP_POLICIES  # checked by _policies
+    points = []
+    paths = []
+    for text in args.sweep.values:
+        value = _parse_value(text)
+        results = compare(with_overrides(workload, {key: value}), policies, vector=args.vector)
+        points.append((value, results))
+        if args.plot:
+            timelines = {r.policy: r.timeline for r in results}
+            paths += plot_timelines(timelines, args.plot, prefix=f"{workload.name}-{key}={text}-")
+    title = f"{workload.name}, swept over {key}"
+    if args.plot:
+        paths.insert(0, plot_sweep(key, points, args.plot, prefix=f"{workload.name}-", title=title))
+    if args.json:
+        runs = [
+            json.loads(
+                results_json(r, workload=f"{workload.name}  [{key}={v}]", extra={"value": v})
+            )
+            for v, r in points
+        ]
+        print(json.dumps({"sweep": key, "runs": runs}, indent=2))
+        return 0
+    print(format_sweep(key, points, title=title))
+    if paths:
+        print("\nplots: " + ", ".join(str(p) for p in paths))
     return 0
 
 
@@ -397,7 +427,9 @@ def _add_events(commands: argparse._SubParsersAction[_Parser]) -> None:
         description="Read RUN_DIR/events.jsonl (or a ledger file) and print what the "
         "scheduler did: moves by kind and component, predicted vs realised gain per move, "
         "prediction error, migration bytes and pauses, cache loss, rejected plans by "
-        "reason, time in safe mode. Fields and charts: docs/observability.md.",
+        "reason, time in safe mode. The ledger of a job that crashed reads too: a last line "
+        "cut off mid-write is skipped, with a warning. Fields and charts: "
+        "docs/observability.md.",
         epilog="examples:\n"
         "  dynarl events runs/demo-20250101-120000   # a run directory of dynarl demo\n"
         "  dynarl events run/events.jsonl --json > summary.json\n"
@@ -430,8 +462,17 @@ def _events(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as err:
         print(f"dynarl events: {err}", file=sys.stderr)
         return 2
-    summary = summarise_ledger(ledger)
     source = str(ledger_path)
+    read = ledger.file
+    if read is not None and read.skipped_bytes:
+        print(
+            f"dynarl events: warning: {source} ends in a torn line (no newline, not JSON: "
+            f"the job stopped while writing it); skipped its {read.skipped_bytes} bytes and "
+            f"read the {read.num_lines} complete line{'' if read.num_lines == 1 else 's'} "
+            "before it",
+            file=sys.stderr,
+        )
+    summary = summarise_ledger(ledger)
     print(
         summary_json(summary, source=source)
         if args.json
@@ -459,7 +500,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         print(f"dynarl: unknown command {args.command!r}", file=sys.stderr)
         return 2
-    status: int = handler(args)
+    try:
+        status: int = handler(args)
+    except BrokenPipeError:  # `dynarl events ... | head`: the reader has what it wanted
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # what a shell reports for a process ended by SIGPIPE
     return status
 
 

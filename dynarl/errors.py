@@ -1,7 +1,9 @@
 """The one exception tree of dynarl.
 
 Every error dynarl raises on purpose derives from :class:`DynarlError`; bad user input
-raises :class:`ValueError` (or :class:`TypeError`) instead, at the call that received it.
+raises :class:`ValueError` (or :class:`TypeError`) instead, at the call that received it —
+a bad config value as :class:`ConfigValueError`, a ``ValueError`` that keeps the keys it
+names apart from its text.
 
 ::
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 __all__ = [
     "BackendError",
     "BusError",
+    "ConfigValueError",
     "DeadlineExceeded",
     "DynarlError",
     "IntegrityError",
@@ -126,3 +129,25 @@ class IntegrityError(DynarlError):
 
 class BackendError(DynarlError):
     """An engine or trainer backend (SGLang, Megatron) misbehaved."""
+
+
+class ConfigValueError(ValueError):
+    """A bad config value (a ``ValueError``, not a :class:`DynarlError`: bad input).
+
+    A config dataclass (``dynarl.sched.SchedulerConfig``, the simulator's workload tables)
+    raises it from ``__post_init__``. Built from Python, the message names each key after
+    its class (``StageSpec.min_gpus = 6``); a file reader re-names them as its file spells
+    them (``[trainer] min_gpus = 6``) with :meth:`naming`, without parsing the message back.
+
+    ``rule`` is a :meth:`str.format` template with one ``{key}`` field per key involved;
+    ``values`` holds each key's value. Each field renders as ``<owner>key = value``.
+    """
+
+    def __init__(self, owner: str, rule: str, **values: object) -> None:
+        self.rule = rule
+        self.values = values
+        super().__init__(self.naming(owner))
+
+    def naming(self, owner: str) -> str:
+        """The message with every key prefixed by ``owner`` (``"[trainer] "``, ``"StageSpec."``)."""
+        return self.rule.format(**{k: f"{owner}{k} = {v!r}" for k, v in self.values.items()})

@@ -279,21 +279,24 @@ def write_run_dir(run_dir: Path, comparison: Any) -> None:
 def plot_runs(run_dir: Path, runs: Sequence[Any]) -> None:
     """``timeline.png`` (devices per component over time, one panel per run) and
     ``curves.png`` (reward and loss per step, every run)."""
-    from dynarl.plots import allocation_timelines, line_panels
+    from dynarl.plots import Allocation, allocation_timelines, line_panels
 
     timelines = {}
     for r in runs:
         points = list(r.timeline)
-        if points:
-            points.append((max(r.wall_s, points[-1][0]), points[-1][1]))
         names = sorted({name for _, counts in points for name in counts})
-        times = [t for t, _ in points]
-        devices = {n: [float(c.get(n, 0)) for _, c in points] for n in names}
-        timelines[f"{r.label}  ({r.wall_s:.1f} s)"] = (times, devices, r.step_starts)
+        timelines[f"{r.label}  ({r.wall_s:.1f} s)"] = Allocation(
+            times=[t for t, _ in points],
+            devices={n: [float(c.get(n, 0)) for _, c in points] for n in names},
+            end=r.wall_s,
+            marks=r.step_starts,
+            mark_names=[f"step {i}" for i in range(len(r.step_starts))],
+        )
     allocation_timelines(
         run_dir / "timeline.png",
         timelines,
-        title="devices per component (dotted: step starts)",
+        title="devices per component",
+        mark_label="step start",
     )
     steps = {r.label: [float(s.step) for s in r.steps] for r in runs}
     line_panels(
@@ -304,6 +307,7 @@ def plot_runs(run_dir: Path, runs: Sequence[Any]) -> None:
             },
             "loss": {r.label: (steps[r.label], [s.loss for s in r.steps]) for r in runs},
         },
+        integer_x=True,
         title="GRPO reward and loss per step (identical runs overlap)",
     )
 

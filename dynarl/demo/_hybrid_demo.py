@@ -152,7 +152,7 @@ def _reward_check(runs: Sequence[Any], group_size: int) -> Any:
 def write_run_dir(run_dir: Path, runs: Sequence[Any], *, group_size: int) -> None:
     """``events.jsonl`` (both ledgers, each record tagged with its run), ``timeline.png``,
     ``curves.png``, ``summary.md`` and ``steps.json``."""
-    from dynarl.plots import allocation_timelines, line_panels
+    from dynarl.plots import Allocation, allocation_timelines, line_panels
 
     with open(run_dir / "events.jsonl", "w", encoding="utf-8") as out:
         for result in runs:
@@ -164,13 +164,19 @@ def write_run_dir(run_dir: Path, runs: Sequence[Any], *, group_size: int) -> Non
     (run_dir / "steps.json").write_text(json.dumps(steps, indent=1), encoding="utf-8")
     timelines = {}
     for r in runs:
-        points = [*r.timeline, (r.wall_s, r.timeline[-1][1])]
         names = ("rollout", "trainer")
-        devices = {n: [float(c.get(n, 0)) for _, c in points] for n in names}
-        label = f"{r.label}  ({r.wall_s:.1f} s)"
-        timelines[label] = ([t for t, _ in points], devices, [s.began_s for s in r.steps])
+        timelines[f"{r.label}  ({r.wall_s:.1f} s)"] = Allocation(
+            times=[t for t, _ in r.timeline],
+            devices={n: [float(c.get(n, 0)) for _, c in r.timeline] for n in names},
+            end=r.wall_s,
+            marks=[s.began_s for s in r.steps],
+            mark_names=[f"step {s.step}" for s in r.steps],
+        )
     allocation_timelines(
-        run_dir / "timeline.png", timelines, title="devices per component (dotted: step starts)"
+        run_dir / "timeline.png",
+        timelines,
+        title="devices per component",
+        mark_label="step start",
     )
     xs = {r.label: [float(s.step) for s in r.steps] for r in runs}
 
@@ -185,6 +191,7 @@ def write_run_dir(run_dir: Path, runs: Sequence[Any], *, group_size: int) -> Non
             "resource util.": panel(lambda s: s.metrics[METRICS[2]]),
             "queue (samples)": panel(lambda s: s.metrics[METRICS[3]]),
         },
+        integer_x=True,
         title="asynchronous GRPO: standalone-only vs hybrid replicas",
     )
     text = format_summary(runs, group_size=group_size, run_dir=run_dir)

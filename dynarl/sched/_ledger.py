@@ -26,7 +26,9 @@ reads ledgers written when reasons were sentences, turning each sentence back in
 struct (see :mod:`dynarl.sched._ledger_legacy`). Runs on the controller, in the
 scheduler's loop; appends are small and flushed, not fsynced (the allocation journal is the
 runtime's durable record): a crash loses at most the pending run of uncommitted rounds
-(``max_rounds_per_line``, 30 by default: half a minute of holds at one round a second).
+(``max_rounds_per_line``, 30 by default: half a minute of holds at one round a second)
+and the line being written, which :meth:`Ledger.load` skips (see
+:mod:`dynarl.sched._ledger_file`, the reader).
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ from typing import IO, Any, Literal
 import msgspec
 
 from dynarl.bus import DecisionRecord, MigrationRecord
-from dynarl.sched._ledger_legacy import upgrade_line
+from dynarl.sched._ledger_file import LedgerFile, open_for_append, read_ledger
 from dynarl.sched._ledger_records import (
     GraphFindingRecord,
+    LedgerRecord,
     ObservationRecord,
     RoundsRecord,
     SafeModeRecord,
@@ -53,36 +56,17 @@ from dynarl.sched._ledger_records import (
     joins_rounds,
 )
 
-__all__ = ["Ledger", "LedgerRecord", "RecordKind"]
+__all__ = ["Ledger", "LedgerRecord", "RecordKind", "record_kind"]
 
 logger = logging.getLogger(__name__)
 
-LedgerRecord = (
-    DecisionRecord | MigrationRecord | SafeModeRecord | ObservationRecord | GraphFindingRecord
-)
-"""Every record type of a ledger (one JSON line each)."""
 RecordKind = Literal["decision", "migration", "safety", "observation", "graph"]
 """How :meth:`Ledger.query` names the record types."""
 _ENCODER = msgspec.json.Encoder()
-# Lax decoding reads the strings "inf", "-inf" and "nan" back into float fields.
-_DECODER = msgspec.json.Decoder(LedgerRecord | RoundsRecord, strict=False)
 
 
-def _decode(line: bytes) -> LedgerRecord | RoundsRecord:
-    """One ledger line's record; a line whose reasons are sentences is upgraded first.
-
-    Raises msgspec.DecodeError (a ValueError) for a line that is neither.
-    """
-    record: LedgerRecord | RoundsRecord
-    try:
-        record = _DECODER.decode(line)
-    except msgspec.ValidationError:
-        upgraded = upgrade_line(msgspec.json.decode(line))
-        record = msgspec.convert(upgraded, LedgerRecord | RoundsRecord, strict=False)
-    return record
-
-
-def _record_kind(record: LedgerRecord) -> RecordKind:
+def record_kind(record: LedgerRecord) -> RecordKind:
+    """How :meth:`Ledger.query` names ``record``'s type."""
     match record:
         case DecisionRecord():
             return "decision"
@@ -154,40 +138,39 @@ class Ledger:
         self._records: dict[tuple[str, str], LedgerRecord] = {}
         self._recent: deque[tuple[str, str]] = deque()
         self._listeners: list[Callable[[LedgerRecord], None]] = []
-        self._file: IO[bytes] | None = None
+        self._sink: IO[bytes] | None = None
         self.path = Path(path) if path is not None else None
+        self.file: LedgerFile | None = None
+        """What :meth:`load` read from the file (None for a ledger not loaded)."""
         if self.path is not None:
-            self._file = self.path.open("ab")
+            self._sink = open_for_append(self.path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Ledger:
         """Read a JSONL ledger back (the last line per id wins); memory only.
 
-        Raises ValueError naming the line of a malformed record.
+        A torn final line (no newline, not JSON: the job stopped mid-write) is skipped, and
+        the returned ledger's :attr:`file` says how many bytes it had (``skipped_bytes``)
+        and what else the file held. Raises OSError when the file cannot be read,
+        ValueError naming the line of a damaged record anywhere else, or saying what the
+        file is when it is not a ledger.
         """
         ledger = cls()
-        with Path(path).open("rb") as file:
-            for number, line in enumerate(file, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = _decode(line)
-                    records = record.rounds() if isinstance(record, RoundsRecord) else [record]
-                except (msgspec.DecodeError, ValueError) as err:
-                    raise ValueError(f"{path}:{number}: bad ledger record: {err}") from None
-                for one in records:
-                    ledger._remember(one)
+        ledger.file = read_ledger(path, ledger._remember)
         return ledger
 
-    def _remember(self, record: LedgerRecord) -> None:
-        key = (_record_kind(record), _record_id(record))
-        if key not in self._records and self.keep_recent is not None and _evictable(record):
+    def _remember(self, record: LedgerRecord) -> bool:
+        """Keep ``record`` in memory; whether it is new (False: it replaces one)."""
+        key = (record_kind(record), _record_id(record))
+        new = key not in self._records
+        if new and self.keep_recent is not None and _evictable(record):
             self._recent.append(key)
             while len(self._recent) > self.keep_recent:
                 old = self._recent.popleft()
                 if _evictable(self._records[old]):
                     del self._records[old]
         self._records[key] = record
+        return new
 
     def add_listener(self, listener: Callable[[LedgerRecord], None]) -> None:
         """Call ``listener(record)`` after every append (updates included); it must not raise."""
@@ -196,7 +179,7 @@ class Ledger:
     def append(self, record: LedgerRecord) -> None:
         """Record ``record`` (replacing an earlier one with the same id) and write it out."""
         self._remember(record)
-        if self._file is not None:
+        if self._sink is not None:
             self._write(record)
         for listener in self._listeners:
             listener(record)
@@ -214,13 +197,13 @@ class Ledger:
         self._line(record)
 
     def _line(self, record: LedgerRecord | RoundsRecord) -> None:
-        assert self._file is not None
-        self._file.write(_encode(record) + b"\n")
-        self._file.flush()
+        assert self._sink is not None
+        self._sink.write(_encode(record) + b"\n")
+        self._sink.flush()
 
     def flush(self) -> None:
         """Write the pending run of uncommitted rounds now (one line; nothing if none)."""
-        if self._run and self._file is not None:
+        if self._run and self._sink is not None:
             self._line(fold_rounds(self._run))
         self._run.clear()
 
@@ -293,10 +276,10 @@ class Ledger:
 
     def close(self) -> None:
         """Write the pending rounds and close the sink (idempotent)."""
-        if self._file is not None:
+        if self._sink is not None:
             self.flush()
-            self._file.close()
-            self._file = None
+            self._sink.close()
+            self._sink = None
 
     async def aclose(self) -> None:
         """Close the sink (idempotent)."""

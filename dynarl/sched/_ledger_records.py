@@ -18,7 +18,8 @@ ledger. Both are ``msgspec`` structs tagged like the bus records, so one JSON li
   :meth:`RoundsRecord.rounds` gives the rounds back exactly;
 - :class:`GraphFindingRecord`: a difference, found when a job starts, between the
   components the job declares and the pipeline graph read from its roles' code (a role the
-  code sends to that the job does not run, or a declared component no channel reaches).
+  code sends to that the job does not run, or a declared component no channel reaches);
+- :data:`LedgerRecord`: the union of every record type a ledger holds.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from typing import Literal
 
 import msgspec
 
-from dynarl.bus import DecisionReason, DecisionRecord
+from dynarl.bus import DecisionReason, DecisionRecord, MigrationRecord
 
 __all__ = [
     "ComponentObservation",
     "GraphFindingRecord",
+    "LedgerRecord",
     "ObservationRecord",
     "RoundsRecord",
     "SafeModeRecord",
@@ -161,6 +163,12 @@ class RoundsRecord(msgspec.Struct, tag=True, frozen=True, kw_only=True):
             )
             for i in range(num)
         ]
+
+
+LedgerRecord = (
+    DecisionRecord | MigrationRecord | SafeModeRecord | ObservationRecord | GraphFindingRecord
+)
+"""Every record type of a ledger (one JSON line each)."""
 
 
 def joins_rounds(first: DecisionRecord, record: DecisionRecord) -> bool:

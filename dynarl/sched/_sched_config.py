@@ -11,12 +11,16 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from dynarl.errors import ConfigValueError
+
 __all__ = ["Estimator", "PredictorConfig", "SchedulerConfig"]
 
 Estimator = Literal["theil_sen", "huber", "ols"]
 """Slope estimators of the default predictor."""
 
 _GIB = 1 << 30
+_OWNER = "SchedulerConfig."
+"""How a range error names a field built from Python (a workload file re-names it)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,14 +82,18 @@ class SchedulerConfig:
         if self.max_quota_devices is not None:
             _check_int("max_quota_devices", self.max_quota_devices, 1, 1 << 30)
             if self.max_quota_devices < self.min_quota_devices:
-                raise ValueError(
-                    f"SchedulerConfig.max_quota_devices {self.max_quota_devices} is below "
-                    f"min_quota_devices {self.min_quota_devices}"
+                raise ConfigValueError(
+                    _OWNER,
+                    "{max_quota_devices} is below {min_quota_devices}",
+                    max_quota_devices=self.max_quota_devices,
+                    min_quota_devices=self.min_quota_devices,
                 )
         if self.stats_window_s < self.donor_window_s:
-            raise ValueError(
-                f"SchedulerConfig.stats_window_s {self.stats_window_s} must cover "
-                f"donor_window_s {self.donor_window_s}"
+            raise ConfigValueError(
+                _OWNER,
+                "{stats_window_s} must cover {donor_window_s}",
+                stats_window_s=self.stats_window_s,
+                donor_window_s=self.donor_window_s,
             )
 
 
@@ -119,14 +127,15 @@ class PredictorConfig:
 
 def _check_range(name: str, value: float, low: float, high: float, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        raise ValueError(f"SchedulerConfig.{name} must be a number, got {value!r}")
+        raise ConfigValueError(_OWNER, f"{{{name}}} must be a number", **{name: value})
     if value < low or (low_open and value == low) or value > high:
         bracket = "(" if low_open else "["
-        raise ValueError(f"SchedulerConfig.{name} must be in {bracket}{low}, {high}], got {value}")
+        rule = f"{{{name}}} must be in {bracket}{low}, {high}]"
+        raise ConfigValueError(_OWNER, rule, **{name: value})
 
 
 def _check_int(name: str, value: int, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"SchedulerConfig.{name} must be an int, got {value!r}")
+        raise ConfigValueError(_OWNER, f"{{{name}}} must be an int", **{name: value})
     if not low <= value <= high:
-        raise ValueError(f"SchedulerConfig.{name} must be in [{low}, {high}], got {value}")
+        raise ConfigValueError(_OWNER, f"{{{name}}} must be in [{low}, {high}]", **{name: value})

@@ -113,7 +113,7 @@ def plot_ledger(
             s.times,
             s.devices,
             marks=marks,
-            title=f"{label}devices per component (dotted: iteration starts)",
+            title=f"{label}devices per component",
         ),
         plots.line_chart(
             out / "utilization.png",
@@ -133,6 +133,7 @@ def plot_ledger(
             },
             title=f"{label}predicted vs measured throughput",
             marks=s.move_times,
+            mark_label="move",
         ),
     ]
     if s.move_labels:

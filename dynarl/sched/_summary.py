@@ -13,7 +13,14 @@ iterable of :data:`LedgerRecord`) returning a frozen :class:`LedgerSummary`:
   category (its type, without numbers and ids: "saves 0.3 s" and "saves 0.5 s" count
   together);
 - time in safe mode (episodes from the safe-mode records);
-- iterations and per-component utilization and devices from the round observations.
+- iterations and per-component utilization and devices from the round observations;
+- the records of each kind and, for a ledger read from a file, what its lines held
+  (:class:`~dynarl.sched._ledger_file.LedgerFile`).
+
+A round observation records the iteration its components reported, so an iteration that
+began and ended between two decision rounds is seen by none; iterations are numbered one
+after another, so every number between two seen ones is listed too, bounded by the rounds
+around it.
 
 :mod:`dynarl.sched._summary_format` renders it as text or JSON. Pure; runs anywhere.
 """
@@ -24,6 +31,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import get_args
 
 import numpy as np
 
@@ -34,7 +42,8 @@ from dynarl.bus import (
     MigrationRecord,
     MoveInFlight,
 )
-from dynarl.sched._ledger import LedgerRecord
+from dynarl.sched._ledger import Ledger, LedgerRecord, RecordKind, record_kind
+from dynarl.sched._ledger_file import LedgerFile
 from dynarl.sched._ledger_records import ObservationRecord, SafeModeRecord
 
 __all__ = [
@@ -148,10 +157,17 @@ class IterationSpan:
 
     iteration: int
     start: float
+    """The first round that saw it; for one no round saw, the last round before it."""
     end: float
+    """The next iteration's ``start`` (the last observation for the last iteration): the
+    first round that saw a later iteration, or the last round that saw this one when the
+    next is one no round saw."""
     complete: bool
     """Whether a later iteration was seen (else ``end`` is the last observation)."""
     moves: int
+    """Committed moves decided in the rounds that saw it."""
+    num_rounds: int
+    """Decision rounds that saw it; 0: it began and ended between two rounds."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,6 +194,10 @@ class LedgerSummary:
     num_rounds: int
     num_committed: int
     num_records: int
+    """Records, each id once (the last version), a run of rounds as its rounds."""
+    records_by_kind: Mapping[str, int]
+    """``num_records`` by kind (``decision``, ``migration``, ``safety``, ``observation``,
+    ``graph``; kinds with none left out)."""
     moves: tuple[MoveSummary, ...]
     migrations: tuple[MigrationStats, ...]
     operator_moves: int
@@ -197,6 +217,8 @@ class LedgerSummary:
     pause_total_s: float = 0.0
     cache_loss_tokens: int = 0
     notes: tuple[str, ...] = field(default=())
+    file: LedgerFile | None = None
+    """What the ledger's file held, line by line (None: not read from a file)."""
 
 
 def reason_category(reason: DecisionReason | CandidateReason) -> str:
@@ -208,8 +230,13 @@ def reason_category(reason: DecisionReason | CandidateReason) -> str:
     return reason.category
 
 
-def summarise_ledger(records: Iterable[LedgerRecord]) -> LedgerSummary:
-    """Summarise a ledger's records (the last version per id, in any order)."""
+def summarise_ledger(
+    records: Iterable[LedgerRecord], *, file: LedgerFile | None = None
+) -> LedgerSummary:
+    """Summarise a ledger's records (the last version per id, in any order); ``file``: what
+    their file held (default: :attr:`Ledger.file` when ``records`` is a loaded ledger)."""
+    if file is None and isinstance(records, Ledger):
+        file = records.file
     ordered = sorted(records, key=lambda r: r.time)
     decisions = [r for r in ordered if isinstance(r, DecisionRecord)]
     migrations = [r for r in ordered if isinstance(r, MigrationRecord)]
@@ -221,12 +248,14 @@ def summarise_ledger(records: Iterable[LedgerRecord]) -> LedgerSummary:
     measured = [m for m in moves if m.status == "measured"]
     episodes = _episodes(safety, end)
     decided = {d.decision_id for d in decisions}
+    iterations = _iterations(observations, moves)
     return LedgerSummary(
         start=start,
         end=end,
         num_rounds=len(decisions),
         num_committed=len(moves),
         num_records=len(ordered),
+        records_by_kind=_by_kind(ordered),
         moves=tuple(moves),
         migrations=_migration_stats(migrations),
         operator_moves=len({m.decision_id for m in migrations} - decided),
@@ -239,13 +268,19 @@ def summarise_ledger(records: Iterable[LedgerRecord]) -> LedgerSummary:
         realised_gain_s=sum(m.realised_gain_s or 0.0 for m in measured),
         safe_mode=episodes,
         safe_mode_s=sum(e.duration_s for e in episodes),
-        iterations=_iterations(observations, moves),
+        iterations=iterations,
         components=_usage(observations),
         bytes_moved=sum(m.bytes_moved for m in migrations),
         pause_total_s=sum(m.pause_s for m in migrations),
         cache_loss_tokens=sum(m.cache_loss_tokens for m in migrations),
-        notes=_notes(moves, observations),
+        notes=_notes(moves, observations, iterations),
+        file=file,
     )
+
+
+def _by_kind(records: Sequence[LedgerRecord]) -> dict[str, int]:
+    counts = Counter(record_kind(r) for r in records)
+    return {k: counts[k] for k in get_args(RecordKind) if counts[k]}
 
 
 def _count(reasons: Iterable[str]) -> dict[str, int]:
@@ -357,20 +392,40 @@ def _episode(opened: SafeModeRecord, closed: float | None, end: float = 0.0) -> 
 def _iterations(
     observations: Sequence[ObservationRecord], moves: Sequence[MoveSummary]
 ) -> tuple[IterationSpan, ...]:
-    starts: dict[int, float] = {}
+    """Every iteration from the first seen to the last (see the module docstring)."""
+    seen: dict[int, list[float]] = defaultdict(list)
     for obs in observations:
         if obs.components:
-            starts.setdefault(max(c.iteration for c in obs.components.values()), obs.time)
-    order = sorted(starts.items())
-    last = observations[-1].time if observations else 0.0
+            seen[max(c.iteration for c in obs.components.values())].append(obs.time)
+    if not seen:
+        return ()
+    numbers = sorted(seen)
+    last = observations[-1].time
     out = []
-    for index, (iteration, begin) in enumerate(order):
-        complete = index + 1 < len(order)
-        stop = order[index + 1][1] if complete else last
+    for index, iteration in enumerate(numbers):
+        times = seen[iteration]
+        complete = index + 1 < len(numbers)
+        stop = seen[numbers[index + 1]][0] if complete else last
+        begin = times[0]
         num = sum(1 for m in moves if begin <= m.time < stop or (not complete and m.time >= begin))
+        gap = complete and numbers[index + 1] > iteration + 1
         out.append(
-            IterationSpan(iteration=iteration, start=begin, end=stop, complete=complete, moves=num)
+            IterationSpan(
+                iteration=iteration,
+                start=begin,
+                end=times[-1] if gap else stop,
+                complete=complete,
+                moves=num,
+                num_rounds=len(times),
+            )
         )
+        unseen = range(iteration + 1, numbers[index + 1] if complete else iteration + 1)
+        out += [
+            IterationSpan(
+                iteration=n, start=times[-1], end=stop, complete=True, moves=0, num_rounds=0
+            )
+            for n in unseen
+        ]
     return tuple(out)
 
 
@@ -399,9 +454,17 @@ def _usage(observations: Sequence[ObservationRecord]) -> tuple[ComponentUsage, .
 
 
 def _notes(
-    moves: Sequence[MoveSummary], observations: Sequence[ObservationRecord]
+    moves: Sequence[MoveSummary],
+    observations: Sequence[ObservationRecord],
+    iterations: Sequence[IterationSpan],
 ) -> tuple[str, ...]:
     notes = []
+    unseen = [str(i.iteration) for i in iterations if not i.num_rounds]
+    if unseen:
+        notes.append(
+            f"no decision round saw iteration(s) {', '.join(unseen)}: each began and ended "
+            "between two rounds; its start and end are the rounds around it"
+        )
     superseded = sum(m.status == "superseded" for m in moves)
     if superseded:
         notes.append(

@@ -1,8 +1,12 @@
 """A :class:`~dynarl.sched._summary.LedgerSummary` as text (for a terminal) or JSON.
 
-:func:`format_summary` prints sections in a fixed order — moves, migrations, gain,
-prediction error, components, iterations, rounds without a move, rejected candidates,
-safe mode, notes — skipping empty ones. :func:`summary_json` is the same content as one
+:func:`format_summary` prints two header lines — what the ledger holds (its file's lines
+by kind, a run of holds as one line of several rounds; or, not read from a file, its
+records by kind), then its span, rounds and moves — and sections in a fixed order — moves,
+migrations, gain, prediction error, components, iterations, rounds without a move,
+rejected candidates, safe mode, notes — skipping empty ones. A ledger without records is
+one sentence instead: an empty file, or one cut off in its first record.
+:func:`summary_json` is the same content as one
 JSON document; numbers that are not finite (a gain of "all remaining work") are ``null``.
 Pure; runs anywhere.
 """
@@ -15,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-from dynarl.sched._summary import Distribution, LedgerSummary, MoveSummary
+from dynarl.sched._summary import Distribution, IterationSpan, LedgerSummary, MoveSummary
 
 __all__ = ["format_summary", "summary_json"]
 
@@ -37,15 +41,19 @@ def _finite(value: Any) -> Any:
 
 
 def format_summary(summary: LedgerSummary, *, source: str = "") -> str:
-    """The summary as text, one section per aspect (see the module docstring)."""
+    """The summary as text, one section per aspect (see the module docstring); a ledger
+    without records is one sentence saying so."""
     s = summary
+    name = source or "the ledger"
+    if not s.num_records:
+        return _no_records(s, name)
     span = s.end - s.start
     lines = [
-        f"ledger {source}: {s.num_records} records over {span:.1f} s "
-        f"(clock {s.start:.1f} to {s.end:.1f} s; times below are from the first record), "
-        f"{s.num_rounds} decision rounds, "
-        f"{s.num_committed} committed moves"
-        + (f", {s.operator_moves} operator moves" if s.operator_moves else "")
+        f"ledger {name}: {_contents(s)}",
+        f"over {span:.1f} s (clock {s.start:.1f} to {s.end:.1f} s; times below are from "
+        f"the first record): {_plural(s.num_rounds, 'decision round')}, "
+        f"{_plural(s.num_committed, 'committed move')}"
+        + (f", {_plural(s.operator_moves, 'operator move')}" if s.operator_moves else ""),
     ]
     for section in (
         _moves(s),
@@ -62,6 +70,60 @@ def format_summary(summary: LedgerSummary, *, source: str = "") -> str:
         if section:
             lines += ["", *section]
     return "\n".join(lines)
+
+
+_KIND_WORDS = {
+    "decision": "decision",
+    "migration": "migration",
+    "safety": "safe-mode transition",
+    "observation": "observation",
+    "graph": "graph finding",
+}
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _contents(s: LedgerSummary) -> str:
+    """What the ledger holds: its file's lines by kind, or (not read from a file) its
+    records by kind."""
+    if s.file is None:
+        kinds = ", ".join(_plural(n, _KIND_WORDS[k]) for k, n in s.records_by_kind.items())
+        return f"{_plural(s.num_records, 'record')}: {kinds}"
+    f = s.file
+    kinds = ", ".join(
+        _plural(n, "hold run") + f" ({_plural(f.num_run_rounds, 'hold')})"
+        if kind == "rounds"
+        else _plural(n, _KIND_WORDS[kind])
+        for kind, n in f.lines_by_kind.items()
+    )
+    if f.num_updates:
+        kinds += (
+            f", {_plural(f.num_updates, 'update')} (a record written again, its realised "
+            "effect filled in)"
+        )
+    torn = (
+        f"; a torn last line of {f.skipped_bytes} bytes skipped (the job stopped mid-write)"
+        if f.skipped_bytes
+        else ""
+    )
+    return f"{_plural(f.num_lines, 'line')}: {kinds}{torn}"
+
+
+def _no_records(s: LedgerSummary, name: str) -> str:
+    """The one sentence for a ledger without records."""
+    f = s.file
+    if f is not None and f.skipped_bytes and not f.num_lines:
+        return (
+            f"{name} holds no complete record: its only line was cut off after "
+            f"{f.skipped_bytes} bytes (the job stopped while writing its first record)"
+        )
+    if f is not None and not f.num_lines:
+        return (
+            f"{name} is empty: no records were written (the job wrote nothing, or not to this file)"
+        )
+    return f"{name} holds no records"
 
 
 def _table(title: str, header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
@@ -236,12 +298,20 @@ def _iterations(s: LedgerSummary) -> list[str]:
             str(i.iteration),
             f"{i.start - s.start:.1f} s",
             f"{i.end - s.start:.1f} s",
-            f"{i.end - i.start:.1f} s" + ("" if i.complete else " (open)"),
+            _duration(i),
+            str(i.num_rounds),
             str(i.moves),
         ]
         for i in s.iterations
     ]
-    return _table("Iterations", ["iteration", "start", "end", "duration", "moves"], rows)
+    header = ["iteration", "start", "end", "duration", "rounds", "moves"]
+    return _table("Iterations", header, rows)
+
+
+def _duration(i: IterationSpan) -> str:
+    if not i.num_rounds:  # between two rounds: shorter than their interval
+        return f"< {i.end - i.start:.1f} s"
+    return f"{i.end - i.start:.1f} s" + ("" if i.complete else " (open)")
 
 
 def _reasons(title: str, counts: Mapping[str, int]) -> list[str]:

@@ -2,18 +2,18 @@
 
 Load a workload (:func:`load_workload`), compare policies on its trace (:func:`compare`,
 :func:`run_policy`, :func:`sweep`), render the results (:func:`format_table`,
-:func:`results_json`, :func:`plot_timelines`). The simulator uses ``dynarl.sched``'s
-scheduler, predictor, request queues and hybrid controller as they are; migrations,
-engines and stages are modelled.
+:func:`results_json`, :func:`plot_timelines`; a sweep's: :func:`format_sweep`,
+:func:`plot_sweep`). The simulator uses ``dynarl.sched``'s scheduler, predictor, request
+queues and hybrid controller as they are; migrations, engines and stages are modelled.
 """
 
 from __future__ import annotations
 
 from dynarl.sim._components import SimEvent
 from dynarl.sim._event_loop import EventLoop
-from dynarl.sim._plot import plot_timelines
+from dynarl.sim._plot import plot_sweep, plot_timelines
 from dynarl.sim._profile import rollout_alone, start_partition
-from dynarl.sim._results import format_table, results_json
+from dynarl.sim._results import format_sweep, format_table, results_json
 from dynarl.sim._rollout import Rollout
 from dynarl.sim._runs import compare, run_policy, sweep
 from dynarl.sim._simulator import Simulation
@@ -57,8 +57,10 @@ __all__ = [
     "build_trace",
     "compare",
     "dump_workload",
+    "format_sweep",
     "format_table",
     "load_workload",
+    "plot_sweep",
     "plot_timelines",
     "results_json",
     "rollout_alone",

@@ -6,7 +6,8 @@ its figures.
 :class:`Timeline` is the step function of devices per component (what the plots draw
 and what the timeline validation reads). :class:`RunResult` holds one policy's figures
 over the measured iterations; :func:`format_table` and :func:`results_json` render a
-comparison with speedups over every baseline present. Pure data and formatting.
+comparison with speedups over every baseline present, :func:`format_sweep` the runs of a
+sweep in one table. Pure data and formatting.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "IterationStats",
     "RunResult",
     "Timeline",
+    "format_sweep",
     "format_table",
     "results_json",
     "speedups",
@@ -48,6 +50,8 @@ class Timeline:
     """Devices per component from each time on."""
     iteration_starts: list[float] = field(default_factory=list)
     """When each iteration began."""
+    num_warmup_iterations: int = 0
+    """How many of the first iterations are warm-up, left out of the figures."""
     end: float | None = None
     """When the run ended (the last counts hold until then); None while it runs."""
 
@@ -227,35 +231,76 @@ def speedups(results: Sequence[RunResult]) -> dict[str, dict[str, float]]:
     return out
 
 
-def format_table(results: Sequence[RunResult], title: str = "") -> str:
-    """A fixed-width table of the runs, speedups over each baseline present."""
-    bases = [b for b in BASELINES if any(r.policy == b for r in results)]
-    ups = speedups(results)
-    unit = results[0].unit if results else ""
-    head = ["policy", f"throughput ({unit})", "iter s", "moves/it", "migr %", "idle %"]
-    head += [f"vs {b}" for b in bases]
-    rows = []
-    for r in results:
-        row = [
-            r.policy,
-            f"{r.throughput:,.1f}" if r.throughput >= 100 else f"{r.throughput:.3f}",
-            f"{r.iteration_s:.1f}",
-            f"{r.moves:.1f}",
-            f"{100 * r.migration_share:.1f}",
-            f"{100 * r.idle_share:.1f}",
-        ]
-        row += [f"{ups[r.policy][b]:.2f}x" if b in ups[r.policy] else "-" for b in bases]
-        rows.append(row)
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
+def _figures_head(unit: str, bases: Sequence[str]) -> list[str]:
+    head = [f"throughput ({unit})", "iter s", "moves/it", "migr %", "idle %"]
+    return head + [f"vs {b}" for b in bases]
+
+
+def _figures(r: RunResult, ups: Mapping[str, float], bases: Sequence[str]) -> list[str]:
+    """``r``'s cells under :func:`_figures_head`; ``ups``: its speedups."""
+    row = [
+        f"{r.throughput:,.1f}" if r.throughput >= 100 else f"{r.throughput:.3f}",
+        f"{r.iteration_s:.1f}",
+        f"{r.moves:.1f}",
+        f"{100 * r.migration_share:.1f}",
+        f"{100 * r.idle_share:.1f}",
+    ]
+    return row + [f"{ups[b]:.2f}x" if b in ups else "-" for b in bases]
+
+
+def _layout(head: list[str], rows: list[list[str]], *, left: int, title: str) -> str:
+    """Fixed-width columns, the first ``left`` of them left-aligned, numbers right."""
+    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
     lines = [title] if title else []
     lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)))
     lines.append("  ".join("-" * w for w in widths))
     for row in rows:
-        cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+        cells = [
+            c.ljust(w) if i < left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
         ]
         lines.append("  ".join(cells))
     return "\n".join(lines)
+
+
+def _bases(results: Sequence[RunResult]) -> list[str]:
+    return [b for b in BASELINES if any(r.policy == b for r in results)]
+
+
+def format_table(results: Sequence[RunResult], title: str = "") -> str:
+    """A fixed-width table of the runs, speedups over each baseline present."""
+    bases = _bases(results)
+    ups = speedups(results)
+    unit = results[0].unit if results else ""
+    rows = [[r.policy, *_figures(r, ups[r.policy], bases)] for r in results]
+    return _layout(["policy", *_figures_head(unit, bases)], rows, left=1, title=title)
+
+
+def format_sweep(
+    key: str, points: Sequence[tuple[object, Sequence[RunResult]]], title: str = ""
+) -> str:
+    """One fixed-width table of a sweep: a row per ``points[i] = (value, results)`` (a row
+    per value and policy when several ran), the figures of :func:`format_table`, each
+    speedup over the baseline run with the same value; then the value and policy of the
+    highest throughput."""
+    every = [r for _, results in points for r in results]
+    bases = _bases(every)
+    several = len({r.policy for r in every}) > 1
+    rows = []
+    for value, results in points:
+        ups = speedups(results)
+        for r in results:
+            named = [str(value), r.policy] if several else [str(value)]
+            rows.append([*named, *_figures(r, ups[r.policy], bases)])
+    head = [key, "policy"] if several else [key]
+    unit = every[0].unit if every else ""
+    table = _layout([*head, *_figures_head(unit, bases)], rows, left=len(head), title=title)
+    if len(points) < 2:
+        return table
+    value, best = max(
+        ((v, r) for v, results in points for r in results), key=lambda pair: pair[1].throughput
+    )
+    return f"{table}\nhighest throughput: {key}={value} ({best.policy})"
 
 
 def results_json(

@@ -78,7 +78,10 @@ class Simulation:
         self.holders: dict[str, set[int]] = {name: set() for name in COMPONENTS}
         self.free: set[int] = set(range(workload.cluster.num_gpus))
         self.transit: dict[int, str | None] = {}
-        self.timeline = Timeline(components=(*COMPONENTS, "transit", "free"))
+        self.timeline = Timeline(
+            components=(*COMPONENTS, "transit", "free"),
+            num_warmup_iterations=workload.num_warmup_iterations,
+        )
         self.iterations: list[IterationStats] = []
         self.iteration = -1
         self.trace: IterationTrace | None = None

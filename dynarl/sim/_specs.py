@@ -1,14 +1,18 @@
 """The parts of a workload: cluster, model, batch, lengths, engines, stages, costs.
 
 Each TOML table of a workload file (``docs/workloads.md``) maps to one frozen dataclass
-here; every field is range-checked when it is built (``ValueError`` naming the field).
-Pure data.
+here; every field is range-checked when it is built. A bad value raises a ``ValueError``
+(:class:`~dynarl.errors.ConfigValueError`) that names each key involved and its
+value, after its class (``StageSpec.min_gpus = 6``); the workload reader names them as the
+file does (``[trainer] min_gpus = 6``). Pure data.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from dynarl.errors import ConfigValueError
 
 __all__ = [
     "AgenticSpec",
@@ -23,16 +27,26 @@ __all__ = [
 ]
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _positive(owner: str, **values: float) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise ValueError(f"{owner}.{name} must be a positive number, got {value!r}")
+        if not _number(value) or not value > 0:
+            raise ConfigValueError(owner, f"{{{name}}} must be a positive number", **{name: value})
 
 
 def _non_negative(owner: str, **values: float) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-            raise ValueError(f"{owner}.{name} must be >= 0, got {value!r}")
+        if not _number(value) or not value >= 0:
+            raise ConfigValueError(owner, f"{{{name}}} must be >= 0", **{name: value})
+
+
+def _fraction(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not _number(value) or not 0.0 <= value <= 1.0:
+            raise ConfigValueError(owner, f"{{{name}}} must be in [0, 1]", **{name: value})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,10 +61,16 @@ class ClusterSpec:
     """Memory of one GPU, GiB."""
 
     def __post_init__(self) -> None:
-        _positive("cluster", num_gpus=self.num_gpus, num_gpus_per_node=self.num_gpus_per_node)
-        _positive("cluster", gpu_memory_gib=self.gpu_memory_gib)
+        owner = "ClusterSpec."
+        _positive(owner, num_gpus=self.num_gpus, num_gpus_per_node=self.num_gpus_per_node)
+        _positive(owner, gpu_memory_gib=self.gpu_memory_gib)
         if self.num_gpus % self.num_gpus_per_node:
-            raise ValueError("cluster.num_gpus must be a multiple of num_gpus_per_node")
+            raise ConfigValueError(
+                owner,
+                "{num_gpus} must be a multiple of {num_gpus_per_node} (whole nodes)",
+                num_gpus=self.num_gpus,
+                num_gpus_per_node=self.num_gpus_per_node,
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,11 +93,11 @@ class ModelSpec:
     """Part of the trainer state the distributed optimizer shards over DP ranks."""
 
     def __post_init__(self) -> None:
-        _positive("model", num_params=self.num_params, num_layers=self.num_layers)
-        _positive("model", hidden_size=self.hidden_size, kv_bytes=self.kv_bytes_per_token)
-        _positive("model", state_bytes_per_param=self.state_bytes_per_param)
-        if not 0.0 <= self.sharded_state_fraction <= 1.0:
-            raise ValueError("model.sharded_state_fraction must be in [0, 1]")
+        owner = "ModelSpec."
+        _positive(owner, num_params=self.num_params, num_layers=self.num_layers)
+        _positive(owner, hidden_size=self.hidden_size, kv_bytes_per_token=self.kv_bytes_per_token)
+        _positive(owner, state_bytes_per_param=self.state_bytes_per_param)
+        _fraction(owner, sharded_state_fraction=self.sharded_state_fraction)
 
     @property
     def state_bytes(self) -> int:
@@ -99,10 +119,17 @@ class BatchSpec:
     """Longest sequence, prompt included, tokens."""
 
     def __post_init__(self) -> None:
-        _positive("batch", num_prompts=self.num_prompts, group_size=self.group_size)
-        _positive("batch", num_minibatches=self.num_minibatches, max_seq_len=self.max_seq_len)
-        if (self.num_prompts * self.group_size) % self.num_minibatches:
-            raise ValueError("batch: num_prompts × group_size must divide into num_minibatches")
+        owner = "BatchSpec."
+        _positive(owner, num_prompts=self.num_prompts, group_size=self.group_size)
+        _positive(owner, num_minibatches=self.num_minibatches, max_seq_len=self.max_seq_len)
+        if self.num_prompts % self.num_minibatches:
+            raise ConfigValueError(
+                owner,
+                "{num_prompts} must be a multiple of {num_minibatches}"
+                " (a mini-batch holds whole GRPO groups)",
+                num_prompts=self.num_prompts,
+                num_minibatches=self.num_minibatches,
+            )
 
     @property
     def num_samples(self) -> int:
@@ -124,8 +151,9 @@ class LengthSpec:
     """Log-space standard deviation of output lengths (the heavy tail)."""
 
     def __post_init__(self) -> None:
-        _positive("lengths", prompt_median=self.prompt_median, output_median=self.output_median)
-        _non_negative("lengths", prompt_sigma=self.prompt_sigma, output_sigma=self.output_sigma)
+        owner = "LengthSpec."
+        _positive(owner, prompt_median=self.prompt_median, output_median=self.output_median)
+        _non_negative(owner, prompt_sigma=self.prompt_sigma, output_sigma=self.output_sigma)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,13 +178,14 @@ class AgenticSpec:
     """Log-space standard deviation of observation lengths."""
 
     def __post_init__(self) -> None:
-        _non_negative("agentic", mean_tool_calls=self.mean_tool_calls)
-        _positive("agentic", tool_latency_median_s=self.tool_latency_median_s)
-        _positive("agentic", tool_timeout_s=self.tool_timeout_s, turn_decay=self.turn_decay)
-        _positive("agentic", observation_median=self.observation_median)
-        _non_negative("agentic", max_tool_calls=self.max_tool_calls)
-        _non_negative("agentic", tool_latency_sigma=self.tool_latency_sigma)
-        _non_negative("agentic", observation_sigma=self.observation_sigma)
+        owner = "AgenticSpec."
+        _non_negative(owner, mean_tool_calls=self.mean_tool_calls)
+        _positive(owner, tool_latency_median_s=self.tool_latency_median_s)
+        _positive(owner, tool_timeout_s=self.tool_timeout_s, turn_decay=self.turn_decay)
+        _positive(owner, observation_median=self.observation_median)
+        _non_negative(owner, max_tool_calls=self.max_tool_calls)
+        _non_negative(owner, tool_latency_sigma=self.tool_latency_sigma)
+        _non_negative(owner, observation_sigma=self.observation_sigma)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -193,16 +222,25 @@ class RolloutSpec:
     """Steps of headroom a retraction frees (SGLang's retract_decode_steps)."""
 
     def __post_init__(self) -> None:
-        _positive("rollout", tp=self.tp, kv_capacity_tokens=self.kv_capacity_tokens)
-        _positive("rollout", max_running_requests=self.max_running_requests)
-        _positive("rollout", step_fixed_s=self.step_fixed_s)
-        _non_negative("rollout", step_per_seq_s=self.step_per_seq_s)
-        _non_negative("rollout", step_per_kv_token_s=self.step_per_kv_token_s)
-        _positive("rollout", prefill_tokens_per_s=self.prefill_tokens_per_s)
-        _positive("rollout", new_token_ratio_decay_steps=self.new_token_ratio_decay_steps)
-        _non_negative("rollout", clip=self.clip_max_new_tokens, steps=self.retract_decode_steps)
-        if not 0.0 <= self.min_new_token_ratio <= self.new_token_ratio <= 1.0:
-            raise ValueError("rollout: need 0 <= min_new_token_ratio <= new_token_ratio <= 1")
+        owner = "RolloutSpec."
+        _positive(owner, tp=self.tp, kv_capacity_tokens=self.kv_capacity_tokens)
+        _positive(owner, max_running_requests=self.max_running_requests)
+        _positive(owner, step_fixed_s=self.step_fixed_s)
+        _non_negative(owner, step_per_seq_s=self.step_per_seq_s)
+        _non_negative(owner, step_per_kv_token_s=self.step_per_kv_token_s)
+        _positive(owner, prefill_tokens_per_s=self.prefill_tokens_per_s)
+        _positive(owner, new_token_ratio_decay_steps=self.new_token_ratio_decay_steps)
+        _non_negative(owner, clip_max_new_tokens=self.clip_max_new_tokens)
+        _non_negative(owner, retract_decode_steps=self.retract_decode_steps)
+        _fraction(owner, new_token_ratio=self.new_token_ratio)
+        _fraction(owner, min_new_token_ratio=self.min_new_token_ratio)
+        if self.min_new_token_ratio > self.new_token_ratio:
+            raise ConfigValueError(
+                owner,
+                "{min_new_token_ratio} must not exceed {new_token_ratio}",
+                min_new_token_ratio=self.min_new_token_ratio,
+                new_token_ratio=self.new_token_ratio,
+            )
 
     def step_time(self, batch: float, kv_tokens: float) -> float:
         """Seconds of one decode step of ``batch`` requests holding ``kv_tokens``."""
@@ -230,18 +268,29 @@ class StageSpec:
     """Fewest GPUs the stage may hold while it holds any (memory), a multiple of tp."""
     parkable: bool = False
     """May hold no GPU although ``min_gpus`` > 0: its state then waits in host memory
-    (parking and unparking cross the host links, ``[migration] host_gbps``)."""
+    (parking and unparking cross the host links, ``[migration] host_gbps``). A workload
+    lets only its trainer park."""
 
     def __post_init__(self) -> None:
-        _positive("stage", tp=self.tp, tokens_per_s_per_gpu=self.tokens_per_s_per_gpu)
-        _positive("stage", scaling_exponent=self.scaling_exponent)
-        _non_negative("stage", min_gpus=self.min_gpus)
+        owner = "StageSpec."
+        _positive(owner, tp=self.tp, tokens_per_s_per_gpu=self.tokens_per_s_per_gpu)
+        _positive(owner, scaling_exponent=self.scaling_exponent)
+        _non_negative(owner, min_gpus=self.min_gpus)
         if not isinstance(self.parkable, bool):
-            raise ValueError(f"stage.parkable must be a bool, got {self.parkable!r}")
+            raise ConfigValueError(
+                owner, "{parkable} must be true or false", parkable=self.parkable
+            )
         if self.min_gpus % self.tp:
-            raise ValueError("stage.min_gpus must be a multiple of tp")
+            raise ConfigValueError(
+                owner, "{min_gpus} must be a multiple of {tp}", min_gpus=self.min_gpus, tp=self.tp
+            )
         if self.fused and self.min_gpus:
-            raise ValueError("a fused stage (infinite tokens_per_s_per_gpu) needs min_gpus 0")
+            raise ConfigValueError(
+                owner,
+                "{min_gpus} must be 0 for a fused stage ({tokens_per_s_per_gpu})",
+                min_gpus=self.min_gpus,
+                tokens_per_s_per_gpu=self.tokens_per_s_per_gpu,
+            )
 
     @property
     def fused(self) -> bool:
@@ -276,10 +325,11 @@ class MigrationSpec:
     or unparks, every GPU over its own link in parallel (PCIe gen5 x16)."""
 
     def __post_init__(self) -> None:
-        _non_negative("migration", workload_s=self.workload_s, p2p_s=self.p2p_s)
-        _non_negative("migration", reboot_s=self.reboot_s, weight_sync_s=self.weight_sync_s)
-        _non_negative("migration", phase_switch_s=self.phase_switch_s)
-        _positive("migration", host_gbps=self.host_gbps)
+        owner = "MigrationSpec."
+        _non_negative(owner, workload_s=self.workload_s, p2p_s=self.p2p_s)
+        _non_negative(owner, reboot_s=self.reboot_s, weight_sync_s=self.weight_sync_s)
+        _non_negative(owner, phase_switch_s=self.phase_switch_s)
+        _positive(owner, host_gbps=self.host_gbps)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -300,7 +350,8 @@ class VerlSpec:
     """Rebalance in-flight requests after an activation."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.deactivate_ratio <= 1.0:
-            raise ValueError("verl.deactivate_ratio must be in [0, 1]")
-        _non_negative("verl", staleness_threshold=self.staleness_threshold)
-        _positive("verl", trigger=self.trigger_parameter_sync_step, batches=self.require_batches)
+        owner = "VerlSpec."
+        _fraction(owner, deactivate_ratio=self.deactivate_ratio)
+        _non_negative(owner, staleness_threshold=self.staleness_threshold)
+        _positive(owner, trigger_parameter_sync_step=self.trigger_parameter_sync_step)
+        _positive(owner, require_batches=self.require_batches)

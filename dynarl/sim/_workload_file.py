@@ -1,24 +1,33 @@
 """Workload files: what a simulated RL job is (cluster, model, batch, lengths, curves, costs).
 
 A workload is a TOML file (format in ``docs/workloads.md``) read into a frozen
-:class:`Workload`. Every section maps to one frozen dataclass; unknown keys, missing
-keys and out-of-range values raise ``ValueError`` naming the key. The ``[scheduler]``
-table holds :class:`~dynarl.sched.SchedulerConfig` fields. :func:`with_overrides` applies
-``section.key=value`` changes (the CLI's ``--sweep``); :func:`dump_workload` writes the
-TOML back (the calibration script uses it). Pure data; no simulation happens here.
+:class:`Workload`. Every table maps to one frozen dataclass, and the keys a file may hold
+are those dataclasses' fields (:func:`file_keys`). Reading raises ``ValueError`` naming
+the table and key as the file spells them (``[trainer] min_gpus = 6``) and the values
+involved: for an unknown key or table (with the closest known one), a missing key, a
+value of the wrong type or out of range, and a workload that breaks a rule across tables
+(``_workload_rules.py``). The ``[scheduler]`` table holds
+:class:`~dynarl.sched.SchedulerConfig` fields; its node size and GPU memory default to the
+``[cluster]``'s. :func:`with_overrides` applies ``section.key=value`` changes (the CLI's
+``--sweep``); :func:`dump_workload` writes the TOML back (the calibration script uses
+it). Pure data; no simulation happens here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import math
 import tomllib
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from dynarl.errors import ConfigValueError
 from dynarl.sched import SchedulerConfig
 from dynarl.sim._specs import (
     AgenticSpec,
@@ -31,6 +40,7 @@ from dynarl.sim._specs import (
     StageSpec,
     VerlSpec,
 )
+from dynarl.sim._workload_rules import GIB, check_workload
 
 __all__ = [
     "Workload",
@@ -47,7 +57,11 @@ SWEEP_ALIASES = {"u_low": "scheduler.util_low", "t_window": "scheduler.donor_win
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Workload:
-    """A simulated RL job (see the module docstring)."""
+    """A simulated RL job (see the module docstring).
+
+    Raises ValueError, naming the keys as a file spells them, when it breaks a rule across
+    its tables (``docs/workloads.md``, "Rules").
+    """
 
     name: str
     """Label."""
@@ -87,24 +101,7 @@ class Workload:
     """Free text (where the numbers come from)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("math", "agentic"):
-            raise ValueError(f"kind must be 'math' or 'agentic', got {self.kind!r}")
-        if (self.kind == "agentic") != (self.agentic is not None):
-            raise ValueError("an agentic workload needs an [agentic] table, a math one none")
-        if not 0 <= self.num_warmup_iterations < self.num_iterations:
-            raise ValueError("need 0 <= num_warmup_iterations < num_iterations")
-        if not self.report_interval_s > 0:
-            raise ValueError(f"report_interval_s must be > 0, got {self.report_interval_s!r}")
-        per_node = self.cluster.num_gpus_per_node
-        for name, tp in (
-            ("rollout", self.rollout.tp),
-            ("inference", self.inference.tp),
-            ("trainer", self.trainer.tp),
-        ):
-            if tp > per_node or per_node % tp:
-                raise ValueError(f"{name}.tp {tp} must divide num_gpus_per_node {per_node}")
-        if self.trainer.min_gpus > self.cluster.num_gpus:
-            raise ValueError("trainer.min_gpus exceeds the cluster")
+        check_workload(self)
 
 
 _SECTIONS: dict[str, type[Any]] = {
@@ -120,41 +117,127 @@ _SECTIONS: dict[str, type[Any]] = {
     "verl": VerlSpec,
     "scheduler": SchedulerConfig,
 }
-_TOP = ("name", "kind", "seed", "num_iterations", "num_warmup_iterations", "report_interval_s")
+_TOP = tuple(f.name for f in fields(Workload) if f.name not in _SECTIONS)
+"""Top-level keys: ``name``, ``kind``, ``seed``, the iteration counts, ``notes``."""
+
+
+def _required(cls: type[Any]) -> list[str]:
+    return [
+        f.name
+        for f in fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+
+
+def _closest(word: str, choices: list[str]) -> list[str]:
+    return difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+
+
+def _owners(key: str) -> list[str]:
+    return [f"[{s}]" for s, cls in _SECTIONS.items() if key in {f.name for f in fields(cls)}]
+
+
+def _unknown_top(key: str) -> str:
+    tables, top = list(_SECTIONS), list(_TOP)
+    hint = [f"[{c}]" for c in _closest(key, tables)] or _closest(key, top)
+    hint = hint or [f"{key} in {owner}" for owner in _owners(key)]
+    suggestion = f" (did you mean {hint[0]}?)" if hint else ""
+    listed = ", ".join(top) + "; tables: " + ", ".join(f"[{t}]" for t in tables)
+    return f"unknown top-level key {key!r}{suggestion}; top-level keys: {listed}"
+
+
+def _unknown_key(section: str, key: str, names: list[str]) -> str:
+    hint = _closest(key, names)
+    owners = _owners(key)
+    suggestion = f" (did you mean {hint[0]}?)" if hint else ""
+    if not hint and owners:
+        suggestion = f" (a key of {', '.join(owners)})"
+    return f"[{section}] has unknown key {key!r}{suggestion}; keys of [{section}]: " + ", ".join(
+        names
+    )
+
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _type_problem(hint: Any, value: object) -> str:
+    """What ``value`` should be when it is not of type ``hint`` (TOML values), else ""."""
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        return "" if value in choices else "one of " + ", ".join(map(repr, choices))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(hint):
+            return ""
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if hint not in _KINDS:
+        return ""
+    if hint in (int, float):  # TOML's true is not a number; an integer is a float here
+        ok = isinstance(value, int if hint is int else int | float)
+        ok = ok and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, hint)
+    return "" if ok else _KINDS[hint]
+
+
+def _check_types(label: str, cls: type[Any], table: Mapping[str, object]) -> None:
+    hints = typing.get_type_hints(cls)
+    for key, value in table.items():
+        problem = _type_problem(hints[key], value)
+        if problem:
+            raise ValueError(f"{label}{key} = {value!r} must be {problem}")
 
 
 def _build(section: str, cls: type[Any], table: object) -> Any:
     if not isinstance(table, Mapping):
-        raise ValueError(f"[{section}] must be a table")
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(table) - names)
+        raise ValueError(f"[{section}] must be a table, got {section} = {table!r}")
+    names = [f.name for f in fields(cls)]
+    unknown = [key for key in table if key not in names]
     if unknown:
-        raise ValueError(f"[{section}] has unknown keys {unknown}; known: {sorted(names)}")
+        raise ValueError("; ".join(_unknown_key(section, key, names) for key in unknown))
+    missing = [key for key in _required(cls) if key not in table]
+    if missing:
+        raise ValueError(f"[{section}] is missing {', '.join(missing)}")
+    _check_types(f"[{section}] ", cls, table)
     try:
         return cls(**table)
-    except TypeError as err:
-        raise ValueError(f"[{section}]: {err}") from err
+    except ConfigValueError as err:
+        raise ValueError(err.naming(f"[{section}] ")) from err
+
+
+def _scheduler_table(data: Mapping[str, Any], cluster: ClusterSpec) -> object:
+    """The ``[scheduler]`` table with the cluster's node size and memory as defaults."""
+    table: object = data.get("scheduler", {})
+    if not isinstance(table, Mapping):
+        return table  # _build names the error
+    return {
+        "num_devices_per_node": cluster.num_gpus_per_node,
+        "device_memory_bytes": round(cluster.gpu_memory_gib * GIB),
+        **table,
+    }
 
 
 def workload_from_dict(data: Mapping[str, Any]) -> Workload:
-    """Build a :class:`Workload` from parsed TOML; raises ValueError naming a bad key."""
-    unknown = sorted(set(data) - set(_SECTIONS) - set(_TOP) - {"notes"})
+    """Build a :class:`Workload` from parsed TOML; raises ValueError naming a bad key.
+
+    ``[scheduler] num_devices_per_node`` and ``device_memory_bytes`` default to the
+    ``[cluster]``'s node size and GPU memory.
+    """
+    unknown = [key for key in data if key not in _SECTIONS and key not in _TOP]
     if unknown:
-        raise ValueError(f"unknown top-level keys {unknown}")
-    for key in ("name", "kind", "seed", "cluster", "model", "batch", "lengths", "rollout"):
-        if key not in data:
-            raise ValueError(f"workload is missing {key!r}")
-    kwargs: dict[str, Any] = {k: data[k] for k in (*_TOP, "notes") if k in data}
+        raise ValueError("; ".join(_unknown_top(key) for key in unknown))
+    missing = [key for key in _required(Workload) if key not in data]
+    if missing:
+        named = [key if key in _TOP else f"the [{key}] table" for key in missing]
+        raise ValueError(f"workload is missing {', '.join(named)}")
+    top = {k: data[k] for k in _TOP if k in data}
+    _check_types("", Workload, top)
+    kwargs: dict[str, Any] = dict(top)
     for section, cls in _SECTIONS.items():
         if section in data:
             kwargs[section] = _build(section, cls, data[section])
-    for needed in ("inference", "trainer", "migration"):
-        if needed not in kwargs:
-            raise ValueError(f"workload is missing the [{needed}] table")
-    try:
-        return Workload(**kwargs)
-    except TypeError as err:
-        raise ValueError(str(err)) from err
+    scheduler = _scheduler_table(data, kwargs["cluster"])
+    kwargs["scheduler"] = _build("scheduler", SchedulerConfig, scheduler)
+    return Workload(**kwargs)
 
 
 def load_workload(path: str | Path) -> Workload:
@@ -179,29 +262,53 @@ def with_overrides(workload: Workload, overrides: Mapping[str, object]) -> Workl
     """A copy with ``section.key`` (or top-level ``key``) values replaced.
 
     ``u_low`` and ``t_window`` name the scheduler's U_low and T. Raising T above the
-    scheduler's stats window raises the window with it (it must cover T). Raises
-    ValueError for an unknown key or a value out of range.
+    scheduler's stats window raises the window with it (it must cover T); changing the
+    cluster's node size or GPU memory changes the scheduler's with it. The rules across
+    tables are checked once, on the result. Raises ValueError for an unknown key or a
+    value of the wrong type or out of range, named as in a workload file.
     """
-    result = workload
+    top: dict[str, object] = {}
+    tables: dict[str, dict[str, object]] = {}
     for raw_key, value in overrides.items():
         key = SWEEP_ALIASES.get(raw_key, raw_key)
         section, _, name = key.rpartition(".")
         if not section:
             if name not in _TOP:
                 raise ValueError(f"unknown workload key {raw_key!r}")
-            result = replace(result, **cast(dict[str, Any], {name: value}))
+            _check_types("", Workload, {name: value})
+            top[name] = value
             continue
-        current = getattr(result, section, None)
-        if section not in _SECTIONS or current is None:
+        cls = _SECTIONS.get(section)
+        if cls is None or getattr(workload, section) is None:
             raise ValueError(f"unknown workload section in {raw_key!r}")
-        if name not in {f.name for f in fields(current)}:
-            raise ValueError(f"unknown key {name!r} in [{section}]")
-        changes: dict[str, object] = {name: value}
-        if section == "scheduler" and name == "donor_window_s":
-            window = max(float(value), current.stats_window_s)  # type: ignore[arg-type]
-            changes["stats_window_s"] = window
-        result = replace(result, **{section: replace(current, **changes)})
-    return result
+        names = [f.name for f in fields(cls)]
+        if name not in names:
+            raise ValueError(_unknown_key(section, name, names))
+        _check_types(f"[{section}] ", cls, {name: value})
+        tables.setdefault(section, {})[name] = value
+    _follow(workload, tables)
+    for section, changes in tables.items():
+        try:
+            top[section] = replace(getattr(workload, section), **changes)
+        except ConfigValueError as err:
+            raise ValueError(err.naming(f"[{section}] ")) from err
+    return replace(workload, **cast(dict[str, Any], top))
+
+
+def _follow(workload: Workload, tables: dict[str, dict[str, object]]) -> None:
+    """Keys that move with an override: T's stats window, the cluster's scheduler view."""
+    scheduler = tables.setdefault("scheduler", {})
+    if "donor_window_s" in scheduler and "stats_window_s" not in scheduler:
+        window = cast(float, scheduler["donor_window_s"])
+        scheduler["stats_window_s"] = max(window, workload.scheduler.stats_window_s)
+    cluster = tables.get("cluster", {})
+    if "num_gpus_per_node" in cluster:
+        scheduler.setdefault("num_devices_per_node", cluster["num_gpus_per_node"])
+    if "gpu_memory_gib" in cluster:
+        memory = cast(float, cluster["gpu_memory_gib"]) * GIB
+        scheduler.setdefault("device_memory_bytes", round(memory))
+    if not scheduler:
+        del tables["scheduler"]
 
 
 def _toml_value(value: object) -> str:
@@ -227,7 +334,7 @@ def dump_workload(workload: Workload, header: str = "") -> str:
     ``header`` lines are written first as comments.
     """
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
-    for key in (*_TOP, "notes"):
+    for key in _TOP:
         value = getattr(workload, key)
         if key == "notes" and not value:
             continue

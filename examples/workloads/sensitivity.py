@@ -15,7 +15,7 @@ prints dynarl's speedup for each:
 Speedups compare mean measured iteration times (the same tokens per iteration). Then, for
 the file as it is, the breakdown of the first measured iteration under each policy: when
 rollout, inference and each mini-batch finish, and the GPU-seconds each component held.
-Nothing here is a calibration input; docs/workloads.md ("Validation") quotes its output.
+Nothing here is a calibration input; docs/calibration.md ("Validation") quotes its output.
 
 Run: .venv/bin/python examples/workloads/sensitivity.py examples/workloads/math-7b-64gpu.toml
 (about a minute). Last line: JSON.

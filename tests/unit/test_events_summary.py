@@ -197,7 +197,10 @@ def test_summary_figures_of_a_hand_written_ledger() -> None:
 def test_text_and_json_forms() -> None:
     s = summarise_ledger(ledger())
     text = format_summary(s, source="run/events.jsonl")
-    assert text.startswith("ledger run/events.jsonl: 16 records over 24.0 s")
+    assert text.startswith(
+        "ledger run/events.jsonl: 16 records: 6 decisions, 4 migrations, "
+        "3 safe-mode transitions, 3 observations\nover 24.0 s"
+    )
     for heading in (
         "Moves",
         "Migrations by kind and component",

@@ -1,9 +1,10 @@
 """Ledgers written when decision reasons were sentences still load, as typed reasons.
 
 ``tests/ledgers/prose-reasons-*.jsonl`` were written by the scheduler before reasons were
-typed, with the ``.summary.txt`` and ``.summary.json`` that ``dynarl events`` printed for
-them then: ``sim`` is the dynarl policy's ledger of one simulated iteration of
-``math-1.5b-64gpu`` (64 prompts, no warm-up); ``scripted`` is a scheduler driven by hand
+typed, with the ``.summary.txt`` and ``.summary.json`` that ``dynarl events`` prints for
+them (every figure as it printed before reasons were typed): ``sim`` is the dynarl
+policy's ledger of one simulated iteration of ``math-1.5b-64gpu`` (64 prompts, no
+warm-up); ``scripted`` is a scheduler driven by hand
 over the two-component graph of ``tests/sched_support.py`` through every hold, a failed
 and a measured move, safe mode (failed moves, an operator, prediction error), observe-only,
 a cost that eats the gain, a quota grant, a reclaim and three refusals.

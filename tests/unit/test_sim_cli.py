@@ -11,6 +11,9 @@ from sim_support import small
 from dynarl.cli import main
 from dynarl.sim import dump_workload
 
+POLICIES = ("static-sequential", "dynarl", "policies")
+"""What a sweep draws per value: a timeline per policy it runs, and them side by side."""
+
 
 @pytest.fixture
 def workload_file(tmp_path: Path) -> Path:
@@ -50,9 +53,12 @@ def test_sweep_and_plots(
     )
     assert code == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["sweep"] == "u_low" and len(doc["runs"]) == 2
-    pngs = sorted(p.name for p in plots.glob("*.png"))
-    assert len(pngs) == 2 and all(p.endswith("dynarl.png") for p in pngs)
+    assert doc["sweep"] == "u_low" and [run["value"] for run in doc["runs"]] == [0.1, 0.3]
+    for run in doc["runs"]:
+        assert [r["policy"] for r in run["policies"]] == ["static-sequential", "dynarl"]
+    pngs = {p.name for p in plots.glob("*.png")}
+    timelines = {f"small-math-u_low_{v}-{p}.png" for v in ("0.1", "0.3") for p in POLICIES}
+    assert pngs == {"small-math-sweep-u_low.png", *timelines}
     assert all((plots / p).read_bytes().startswith(b"\x89PNG") for p in pngs)
 
 

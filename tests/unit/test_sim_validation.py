@@ -5,7 +5,7 @@ tests compare what the simulator then predicts with the paper's results. Where t
 simulator disagrees, the test either asserts what the model gives (with the reason in its
 docstring) or is an ``xfail(strict=True)`` whose reason says by how much and why — both
 fail loudly if the disagreement goes away, so the reason is kept true. The figures and
-the reasons are collected in docs/workloads.md, "Validation".
+the reasons are collected in docs/calibration.md, "Validation".
 Nothing here tunes anything: every run uses a shipped file as it is (sweeps change only
 the swept scheduler parameter).
 """
@@ -51,7 +51,7 @@ def test_math_7b_64gpu_dynarl_over_static_sequential_as_modelled() -> None:
     shrink schedule beating ~484 s per iteration (1.33x), even with free migrations and
     perfect packing; ``examples/workloads/sensitivity.py`` showed no single modelling
     choice (KV read cost, roofline GEMMs, KV capacity, downstream speed) taking dynarl past
-    1.24x before parking. Why the paper's figure is higher: docs/workloads.md,
+    1.24x before parking. Why the paper's figure is higher: docs/calibration.md,
     "Validation". If the model ever reaches the paper's range this test fails, and the
     reason is revisited.
     """
