@@ -29,11 +29,17 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# Test files run on TEST_WORKERS pytest-xdist processes, a file's tests on one of them (its
+# module fixtures, such as a job run once for several tests, are built once). Two halves
+# the suite's wall time on two cores; more cores can take more (`make test TEST_WORKERS=4`).
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadfile
+
 test: lint
-	$(PY) -m pytest -m "not slow" -p no:cacheprovider --durations=15
+	$(PYTEST) -m "not slow"
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -m slow -p no:cacheprovider --durations=15
+	$(PYTEST) -m slow
 
 bench: $(STAMP)
 	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
