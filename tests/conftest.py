@@ -25,7 +25,28 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
+# The files that take longest (about a minute or more on 2 cores, `--durations`), run first:
+# `make test` hands whole files to two xdist processes in collection order, and a long
+# file started last would leave the other process idle at the end.
+_LONGEST_FIRST = (
+    "tests/unit/test_sim_validation.py",
+    "tests/dist/test_fault_injection.py",
+    "tests/dist/test_reference_job.py",
+    "tests/unit/test_docs.py",
+    "tests/dist/test_hybrid_job.py",
+    "tests/dist/test_torchrun_launch.py",
+    "tests/dist/test_megatron_reshard.py",
+    "tests/dist/test_reference_tolerance.py",
+)
+
+
+def _longest_first(item: pytest.Item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return _LONGEST_FIRST.index(path) if path in _LONGEST_FIRST else len(_LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_longest_first)  # stable: every other test keeps its order
     import torch
 
     if torch.cuda.is_available():
