@@ -84,8 +84,8 @@ initial weights:
                      engine idle
 
 How long: a few minutes. On a 2-core machine the default demo runs three
-schedules (static sequential, the 1/1 split, dynarl) in about 2-3 minutes; each
-further device adds one more split to run. The first run also warms the model up
+schedules (static sequential, the 1/1 split, dynarl; about a minute each) in about
+4 minutes; each further device adds one more split to run. The first run also warms the model up
 (200 supervised steps), cached under OUT/.cache for the next runs. Fewer --steps
 or --prompts make it shorter.
 

@@ -88,7 +88,7 @@ def test_demo_help_shows_groups_defaults_choices_and_how_long_it_takes(
     assert code == 0
     text = " ".join(out.split())
     assert "How long: a few minutes. On a 2-core machine" in text
-    assert "in about 2-3 minutes" in text
+    assert "in about 4 minutes" in text
     for group in ("the job:", "what runs:", "output:"):
         assert f"\n{group}\n" in out
     for option in ("--task", "--steps", "--prompts", "--devices", "--seed", "--mode", "--out"):
