@@ -57,6 +57,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture
+def figures(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """Every figure matplotlib is asked to close during the test, in order, left open for the
+    test to read its axes (the charts' tests); closed at the end."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    close = plt.close
+    kept: list[Any] = []
+    monkeypatch.setattr(plt, "close", kept.append)
+    yield kept
+    for figure in kept:
+        close(figure)
+
+
 # ---------------------------------------------------------------- leak checks
 # What a test opens it closes by its end (pyzmq's own test suite checks the same way): every
 # ZeroMQ socket and context; every child process; every TCPStore server; every socket the

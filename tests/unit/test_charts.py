@@ -10,7 +10,7 @@ The figures are kept from being closed (``figures``) so the test can look at the
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +27,6 @@ from dynarl.sim._results import RunResult
 matplotlib = pytest.importorskip("matplotlib")
 
 
-@pytest.fixture
-def figures(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
-    """Every figure :mod:`dynarl.plots` draws in the test, in order, left open to read."""
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    close = plt.close
-    kept: list[Any] = []
-    monkeypatch.setattr(plt, "close", kept.append)
-    yield kept
-    for figure in kept:
-        close(figure)
 
 
 @pytest.fixture(scope="module")

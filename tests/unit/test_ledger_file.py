@@ -11,43 +11,22 @@ import sys
 from pathlib import Path
 
 import pytest
+from ledger_support import commit, hold, migration
 
-from dynarl.bus import Commit, DecisionRecord, MigrationRecord, NoDonor
+from dynarl.bus import DecisionRecord
 from dynarl.cli import main
 from dynarl.sched import Ledger, format_summary, summarise_ledger
 
-ALLOC = {"rollout": 2, "trainer": 1}
-
 
 def decision(i: int, time: float, *, committed: bool = False) -> DecisionRecord:
-    return DecisionRecord(
-        decision_id=f"d{i}",
-        time=time,
-        committed=committed,
-        reason=Commit(gain_s=1.0, cost_s=0.2, bottleneck="trainer") if committed else NoDonor(),
-        old_allocation=ALLOC,
-        new_allocation={"rollout": 1, "trainer": 2} if committed else ALLOC,
-    )
-
-
-def migration(time: float) -> MigrationRecord:
-    return MigrationRecord(
-        migration_id="m1",
-        decision_id="d1",
-        time=time,
-        kind="p2p",
-        component="trainer",
-        src_devices=(2,),
-        dst_devices=(1, 2),
-        outcome="committed",
-    )
+    return commit(i, time) if committed else hold(i, time)
 
 
 def written(path: Path) -> list[bytes]:
     """A ledger of three lines (a commit, its migration, a lone hold), as its lines."""
     with Ledger(path) as ledger:
         ledger.append(decision(1, 1.0, committed=True))
-        ledger.append(migration(1.5))
+        ledger.append(migration("d1", 1.5))
         ledger.append(decision(2, 2.0))
     lines = path.read_bytes().splitlines(keepends=True)
     assert len(lines) == 3

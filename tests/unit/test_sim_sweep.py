@@ -9,7 +9,6 @@ against the swept value, a tick at each value.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +29,6 @@ def workload_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def figures(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
-    """Every figure :mod:`dynarl.plots` draws in the test, left open to read."""
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    close = plt.close
-    kept: list[Any] = []
-    monkeypatch.setattr(plt, "close", kept.append)
-    yield kept
-    for figure in kept:
-        close(figure)
 
 
 def test_a_sweep_prints_one_table_with_a_row_per_value_and_policy(
