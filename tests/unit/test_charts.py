@@ -27,8 +27,6 @@ from dynarl.sim._results import RunResult
 matplotlib = pytest.importorskip("matplotlib")
 
 
-
-
 @pytest.fixture(scope="module")
 def runs() -> list[RunResult]:
     """A two-iteration workload (the first a warm-up) under two policies of unlike length."""

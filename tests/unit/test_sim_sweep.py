@@ -29,8 +29,6 @@ def workload_file(tmp_path: Path) -> Path:
     return path
 
 
-
-
 def test_a_sweep_prints_one_table_with_a_row_per_value_and_policy(
     workload_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
