@@ -27,6 +27,9 @@ __all__ = ["LedgerSeries", "ledger_series", "plot_ledger"]
 class LedgerSeries:
     """Per-round series of one ledger (see the module docstring)."""
 
+    origin: float
+    """Clock time of the ledger's first record; every time below is seconds after it (as
+    the summary's)."""
     times: tuple[float, ...]
     devices: Mapping[str, tuple[float, ...]]
     """Devices per component at each round, plus ``free`` when the ledger knows it."""
@@ -60,16 +63,18 @@ def ledger_series(records: Iterable[LedgerRecord]) -> LedgerSeries:
         if obs.components:
             starts.setdefault(max(c.iteration for c in obs.components.values()), obs.time)
     first = min(starts) if starts else 0
+    origin = ordered[0].time if ordered else 0.0
     measured = [r for r in rounds if r.committed and r.prediction_error is not None]
     predicted = [_predicted_remaining(r) for r in measured]
     return LedgerSeries(
-        times=tuple(r.time for r in rounds),
+        origin=origin,
+        times=tuple(r.time - origin for r in rounds),
         devices=devices,
         utilization=_field(observed, names, "utilization"),
         throughput=_field(observed, names, "throughput"),
         predicted=_field(observed, names, "predicted_throughput"),
-        iteration_starts=tuple(t for i, t in sorted(starts.items()) if i != first),
-        move_times=tuple(r.time for r in rounds if r.committed),
+        iteration_starts=tuple(t - origin for i, t in sorted(starts.items()) if i != first),
+        move_times=tuple(r.time - origin for r in rounds if r.committed),
         move_labels=tuple(r.decision_id for r in measured),
         predicted_remaining_s=tuple(predicted),
         realised_remaining_s=tuple(

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import msgspec
 import pytest
 from sim_support import small
 
@@ -332,6 +333,10 @@ def test_a_simulated_ledger_adds_up(tmp_path: Path) -> None:
     assert [i.iteration for i in s.iterations] == [0, 1]
     series = ledger_series(ledger)
     assert len(series.times) == s.num_rounds
+    # Seconds after the first record, as the summary's times (not the job's clock).
+    assert series.origin == min(r.time for r in ledger)
+    assert series.times[0] == decisions[0].time - series.origin >= 0.0
+    assert all(0.0 <= t <= series.times[-1] for t in series.iteration_starts + series.move_times)
     total = [sum(column) for column in zip(*series.devices.values(), strict=True)]
     assert set(total) == {16.0}  # every device is held or free at every round
 
@@ -362,3 +367,14 @@ def test_plot_ledger_draws_without_observations(tmp_path: Path) -> None:
         "throughput.png",
         "moves.png",
     ]
+
+
+def test_the_charts_count_time_from_the_first_record_as_the_summary_does() -> None:
+    # A job's ledger carries its clock (monotonic seconds, ~9600 here): the charts' axis
+    # starts at the first record, as the summary's times do.
+    shifted = [msgspec.structs.replace(r, time=r.time + 9600.0) for r in ledger()]
+    plain, moved = ledger_series(ledger()), ledger_series(shifted)
+    assert moved.origin == plain.origin + 9600.0
+    assert moved.times == pytest.approx(plain.times)
+    assert moved.move_times == pytest.approx(plain.move_times)
+    assert moved.times[0] == 0.0 and max(moved.times) < 9600.0
