@@ -1,5 +1,6 @@
 """Engines and trainers dynarl drives: the CPU reference backend (:mod:`.reference`), the
-SGLang client (:mod:`.sglang`) and the Megatron-core trainer (:mod:`.megatron`).
+SGLang and vLLM clients and launchers (:mod:`.sglang`, :mod:`.vllm`) and the Megatron-core
+trainer (:mod:`.megatron`).
 
 What both trainers share is here: GRPO's math as pure functions
 (:func:`group_advantages`, :func:`policy_loss`), the unit they consume

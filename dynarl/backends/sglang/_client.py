@@ -11,22 +11,22 @@ Every call has a deadline. Retries are bounded and limited to what cannot do har
   is an error), weight-update group and session calls and ``/update_weights_from_distributed``
   (its broadcast must pair with the trainer's) are never retried past a connection.
 
-HTTP errors and unreadable replies raise :class:`~dynarl.errors.BackendError`; the weight
+The transport (deadline, retry rule) is :mod:`dynarl.backends._http`'s. HTTP errors and
+unreadable replies raise :class:`~dynarl.errors.BackendError`; the weight
 endpoints' ``{"success": false}`` replies come back as :class:`ControlResult` for the caller
 to judge. Runs on the caller's event loop; not thread-safe.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import aiohttp
 import msgspec
 
+from dynarl.backends._http import Method, Reply, RetryPolicy, call, decode_reply
 from dynarl.backends.sglang._http_wire import (
     MEMORY_TAGS,
     ChecksumReply,
@@ -40,11 +40,6 @@ from dynarl.backends.sglang._http_wire import (
 from dynarl.errors import BackendError
 
 __all__ = ["ClientConfig", "SGLangClient"]
-
-logger = logging.getLogger(__name__)
-
-_RETRY_STATUSES = frozenset({502, 503, 504})
-_Method = Literal["GET", "POST"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,12 +85,6 @@ class ClientConfig:
             raise ValueError("ClientConfig needs 0 <= backoff_s <= max_backoff_s")
 
 
-@dataclass(frozen=True, slots=True)
-class _Reply:
-    status: int
-    body: bytes
-
-
 class SGLangClient:
     """Typed calls to one SGLang server; an async context manager (``aclose()`` on exit).
 
@@ -132,7 +121,7 @@ class SGLangClient:
 
     async def _call(
         self,
-        method: _Method,
+        method: Method,
         path: str,
         *,
         body: object | None = None,
@@ -141,51 +130,31 @@ class SGLangClient:
         idempotent: bool = False,
         timeout_s: float | None = None,
         ok: Sequence[int] = (200,),
-    ) -> _Reply:
+    ) -> Reply:
         """One request with retries; raises BackendError unless the status is in ``ok``."""
-        timeout = aiohttp.ClientTimeout(
-            total=timeout_s or self.config.timeout_s, connect=self.config.connect_timeout_s
+        return await call(
+            self._http(),
+            method,
+            path,
+            engine="SGLang",
+            policy=RetryPolicy(
+                num_attempts=self.config.num_attempts,
+                backoff_s=self.config.backoff_s,
+                max_backoff_s=self.config.max_backoff_s,
+            ),
+            deadline=aiohttp.ClientTimeout(
+                total=timeout_s or self.config.timeout_s, connect=self.config.connect_timeout_s
+            ),
+            body=body,
+            params=params,
+            headers=self._headers(admin),
+            idempotent=idempotent,
+            ok=ok,
         )
-        data = msgspec.json.encode(body) if body is not None else None
-        headers = self._headers(admin)
-        if data is not None:
-            headers["Content-Type"] = "application/json"
-        delay = self.config.backoff_s
-        for attempt in range(1, self.config.num_attempts + 1):
-            last = attempt == self.config.num_attempts
-            try:
-                async with self._http().request(
-                    method,
-                    path.lstrip("/"),
-                    data=data,
-                    params=params,
-                    headers=headers,
-                    timeout=timeout,
-                ) as response:
-                    reply = _Reply(response.status, await response.read())
-            except aiohttp.ClientConnectorError as exc:
-                if last:
-                    raise BackendError(f"{method} {path}: cannot connect: {exc}") from exc
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                if last or not idempotent:
-                    raise BackendError(f"{method} {path} failed: {exc!r}") from exc
-            else:
-                if reply.status in ok:
-                    return reply
-                if last or not idempotent or reply.status not in _RETRY_STATUSES:
-                    text = reply.body.decode(errors="replace")[:500]
-                    raise BackendError(f"{method} {path} -> HTTP {reply.status}: {text}")
-            logger.debug("retrying %s %s (attempt %d)", method, path, attempt + 1)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.config.max_backoff_s)
-        raise AssertionError("unreachable: the last attempt returns or raises")
 
     @staticmethod
-    def _decode(reply: _Reply, kind: type[Any], what: str) -> Any:
-        try:
-            return msgspec.json.decode(reply.body, type=kind)
-        except msgspec.DecodeError as exc:
-            raise BackendError(f"{what}: unreadable reply {reply.body[:200]!r}: {exc}") from exc
+    def _decode(reply: Reply, kind: type[Any], what: str) -> Any:
+        return decode_reply(reply, kind, what)
 
     # ------------------------------------------------------------------ health, info
 

@@ -1,7 +1,8 @@
 """Start and stop an SGLang server process (``python -m sglang.launch_server ...``).
 
-:func:`launch_command` builds the command line (pure). :class:`SGLangServer` starts it in a
-new session (so its scheduler and detokenizer children share one process group), waits for
+:func:`launch_command` builds the command line (pure). :class:`SGLangServer` starts it as a
+:class:`~dynarl.backends._server_process.ServerProcess` (its own process group, so its
+scheduler and detokenizer children go with it, and a parent-death signal), waits for
 ``/health`` to answer 200 before a deadline, and on ``aclose()`` stops the group it started:
 SIGTERM, then SIGKILL after ``stop_timeout_s``. If the process exits or the deadline passes
 during start-up, it is stopped and BackendError carries the tail of its log. Runs on the
@@ -10,30 +11,13 @@ caller's event loop.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-import os
-import signal
-import socket
 import sys
-import tempfile
 from dataclasses import dataclass
 
+from dynarl.backends._server_process import ServerProcess, free_port
 from dynarl.backends.sglang._client import ClientConfig, SGLangClient
-from dynarl.errors import BackendError
 
 __all__ = ["SGLangServer", "SGLangServerConfig", "free_port", "launch_command"]
-
-logger = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,9 +103,7 @@ class SGLangServer:
     def __init__(self, config: SGLangServerConfig) -> None:
         self.config = config
         self.port = config.port
-        self._process: asyncio.subprocess.Process | None = None
-        self._log_path = config.log_path
-        self._owns_log = config.log_path is None
+        self._process: ServerProcess | None = None
 
     @property
     def url(self) -> str:
@@ -155,85 +137,32 @@ class SGLangServer:
         if self._process is not None:
             raise RuntimeError("server already started")
         self.port = self.config.port or free_port(self.config.host)
-        if self._log_path is None:
-            handle, self._log_path = tempfile.mkstemp(prefix="sglang-", suffix=".log")
-            os.close(handle)
-        argv = launch_command(self.config, self.port)
-        log = os.open(self._log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._process = ServerProcess(
+            "SGLang", log_path=self.config.log_path, stop_timeout_s=self.config.stop_timeout_s
+        )
         try:
-            self._process = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-                env={**os.environ, **dict(self.config.env)},
+            await self._process.start(launch_command(self.config, self.port), dict(self.config.env))
+            client = SGLangClient(
+                ClientConfig(
+                    base_url=self.url, num_attempts=1, timeout_s=5.0, connect_timeout_s=1.0
+                )
             )
-        finally:
-            os.close(log)
-        logger.info("started SGLang server pid %d on %s", self._process.pid, self.url)
-        try:
-            await self._wait_healthy()
+            async with client:
+                await self._process.wait_healthy(
+                    client.health,
+                    timeout_s=self.config.startup_timeout_s,
+                    poll_s=self.config.health_poll_s,
+                )
         except BaseException:
             await self.aclose()
             raise
 
-    async def _wait_healthy(self) -> None:
-        assert self._process is not None
-        client = SGLangClient(
-            ClientConfig(base_url=self.url, num_attempts=1, timeout_s=5.0, connect_timeout_s=1.0)
-        )
-        try:
-            async with asyncio.timeout(self.config.startup_timeout_s):
-                while True:
-                    if self._process.returncode is not None:
-                        raise BackendError(
-                            f"SGLang server exited with {self._process.returncode} during "
-                            f"start-up; log tail:\n{self.log_tail()}"
-                        )
-                    with contextlib.suppress(BackendError):
-                        if await client.health():
-                            return
-                    await asyncio.sleep(self.config.health_poll_s)
-        except TimeoutError as exc:
-            raise BackendError(
-                f"SGLang server not healthy after {self.config.startup_timeout_s} s; "
-                f"log tail:\n{self.log_tail()}"
-            ) from exc
-        finally:
-            await client.aclose()
-
     def log_tail(self, num_bytes: int = 4000) -> str:
         """The end of the server's log."""
-        if self._log_path is None or not os.path.exists(self._log_path):
-            return ""
-        with open(self._log_path, "rb") as log:
-            log.seek(max(os.path.getsize(self._log_path) - num_bytes, 0))
-            return log.read().decode(errors="replace")
+        return self._process.log_tail(num_bytes) if self._process is not None else ""
 
     async def aclose(self) -> None:
         """Stop the process group this object started: SIGTERM, then SIGKILL; idempotent."""
         process, self._process = self._process, None
-        if process is not None and process.returncode is None:
-            self._signal(process.pid, signal.SIGTERM)
-            try:
-                async with asyncio.timeout(self.config.stop_timeout_s):
-                    await process.wait()
-            except TimeoutError:
-                logger.warning("SGLang server pid %d ignored SIGTERM; killing", process.pid)
-                self._signal(process.pid, signal.SIGKILL)
-                await process.wait()
-            logger.info("stopped SGLang server pid %d", process.pid)
         if process is not None:
-            # Children left in the group of a leader that exited on its own. Linux does not
-            # hand out a pid that is still some group's id, so this reaches only them.
-            self._signal(process.pid, signal.SIGKILL)
-        if self._owns_log and self._log_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._log_path)
-            self._log_path = None
-
-    @staticmethod
-    def _signal(pgid: int, signum: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signum)
+            await process.aclose()

@@ -1,0 +1,48 @@
+"""One real vLLM server for the session, on the tiny random Llama written here (no hub).
+
+vLLM runs in the interpreter named by ``DYNARL_VLLM_PYTHON`` (default: this one), which
+also writes the model. Without vLLM there the tests that need it are skipped, with that
+reason. The server is started once, on a loop of its own, and stopped with its whole
+process group when the session ends; its log stays in the session's temporary directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vllm_support import ENGINE_PYTHON, missing_vllm, server_config, write_tiny_llama
+
+from dynarl.backends.vllm import VLLMServer
+
+
+@pytest.fixture(scope="session")
+def engine_python() -> str:
+    """The interpreter that runs vLLM; skips the test where it has none."""
+    reason = missing_vllm(ENGINE_PYTHON)
+    if reason is not None:
+        pytest.skip(reason)
+    return ENGINE_PYTHON
+
+
+@pytest.fixture(scope="session")
+def tiny_model(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama (seed 0)."""
+    return write_tiny_llama(engine_python, tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(
+    engine_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VLLMServer]:
+    """A running vLLM server, shared by the session's engine tests."""
+    server = VLLMServer(server_config(engine_python, tiny_model, tmp_path_factory.mktemp("logs")))
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(server.start())
+        yield server
+    finally:
+        loop.run_until_complete(server.aclose())
+        loop.close()

@@ -1,0 +1,115 @@
+"""ServerProcess, the process handling both engine launchers share: the server's whole
+process group stops with it, and a server whose parent dies is told to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dynarl.backends._server_process import ServerProcess
+from dynarl.errors import BackendError
+
+WAIT_S = 60.0
+
+_SERVER_WITH_A_CHILD = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(600)
+"""
+
+_PARENT = """
+import asyncio, sys, time
+from dynarl.backends._server_process import ServerProcess
+
+async def main():
+    server = ServerProcess("Stub", log_path=sys.argv[2])
+    await server.start([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(sys.argv[1], "w").write(str(server.pid))
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_for_file(path: Path) -> int:
+    deadline = time.monotonic() + WAIT_S
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < deadline, f"{path} never written"
+        time.sleep(0.02)
+    return int(path.read_text())
+
+
+def _wait_gone(pid: int) -> bool:
+    deadline = time.monotonic() + WAIT_S
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _gone(pid)
+
+
+def test_close_stops_the_servers_children_too(tmp_path: Path) -> None:
+    child_file = tmp_path / "child"
+
+    async def main() -> tuple[int, int]:
+        server = ServerProcess("Stub", log_path=str(tmp_path / "log"))
+        await server.start([sys.executable, "-c", _SERVER_WITH_A_CHILD, str(child_file)])
+        try:
+            child = await asyncio.to_thread(_wait_for_file, child_file)
+            assert server.pid is not None and os.getpgid(child) == server.pid
+            return server.pid, child
+        finally:
+            await server.aclose()
+
+    pid, child = asyncio.run(main())
+    assert _wait_gone(pid) and _wait_gone(child)
+
+
+def test_a_server_whose_parent_dies_is_stopped(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, str(pid_file), str(tmp_path / "log")],
+        env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    server = None
+    try:
+        server = _wait_for_file(pid_file)
+        parent.kill()
+        parent.wait()
+        assert _wait_gone(server), "the server outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if server is not None and not _gone(server):
+            os.killpg(server, signal.SIGKILL)
+
+
+def test_it_refuses_to_start_twice_and_reports_what_cannot_run(tmp_path: Path) -> None:
+    async def main() -> None:
+        server = ServerProcess("Stub", log_path=str(tmp_path / "log"))
+        with pytest.raises(BackendError, match="Stub server could not be started"):
+            await server.start([str(tmp_path / "no-such-binary")])
+        await server.start([sys.executable, "-c", "import time; time.sleep(600)"])
+        try:
+            with pytest.raises(RuntimeError, match="already started"):
+                await server.start([sys.executable])
+        finally:
+            await server.aclose()
+        assert server.pid is None
+
+    asyncio.run(main())
