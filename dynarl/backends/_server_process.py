@@ -10,6 +10,10 @@ then SIGKILL after a grace period. A server that exits or misses the deadline du
 start-up raises :class:`~dynarl.errors.BackendError` naming the engine, with the tail of its
 log. Runs on the caller's event loop; start it from a thread that lives as long as the
 server should (the signal follows the thread, not the process).
+
+:class:`ManagedServer` is what an engine's launcher (``SGLangServer``, ``VLLMServer``) adds
+around it: a port, the URL, ``async with``, start-then-wait-for-health, stop. A launcher
+says only its command, environment, log file and health probe.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ import socket
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol, Self
 
 from dynarl.errors import BackendError
 
-__all__ = ["ServerProcess", "free_port"]
+__all__ = ["ManagedServer", "ServerProcess", "ServerSettings", "free_port"]
 
 logger = logging.getLogger(__name__)
 
@@ -180,3 +186,103 @@ class ServerProcess:
 def _signal_group(pgid: int, signum: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signum)
+
+
+class ServerSettings(Protocol):
+    """What :class:`ManagedServer` reads of an engine's server config."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int | None: ...
+    @property
+    def startup_timeout_s(self) -> float: ...
+    @property
+    def health_poll_s(self) -> float: ...
+    @property
+    def stop_timeout_s(self) -> float: ...
+
+
+class ManagedServer:
+    """An engine server this object started and will stop; ``async with Server(config)``.
+
+    Subclasses name the engine (``engine``) and give its command, environment, log file
+    and a health probe.
+    """
+
+    engine = "engine"
+
+    def __init__(self, config: ServerSettings) -> None:
+        self._settings = config
+        self.port = config.port
+        self._process: ServerProcess | None = None
+
+    def _command(self, port: int) -> Sequence[str]:
+        raise NotImplementedError
+
+    def _env(self) -> Mapping[str, str]:
+        raise NotImplementedError
+
+    def _log_file(self, port: int) -> str | None:
+        raise NotImplementedError
+
+    def _probe(self) -> AbstractAsyncContextManager[Any]:
+        """A client of :attr:`url` with short deadlines, entered to poll ``health()``."""
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the server."""
+        return f"http://{self._settings.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id (and process-group id) of the server, while it runs."""
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def log_path(self) -> str | None:
+        """The server's log file, while it runs."""
+        return self._process.log_path if self._process is not None else None
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Start the server and wait until its health probe answers.
+
+        Raises BackendError naming the engine, with the log tail, if it exits or misses the
+        deadline (it is stopped first); RuntimeError if already started.
+        """
+        if self._process is not None:
+            raise RuntimeError(f"{self.engine} server already started")
+        settings = self._settings
+        self.port = settings.port or free_port(settings.host)
+        self._process = ServerProcess(
+            self.engine, log_path=self._log_file(self.port), stop_timeout_s=settings.stop_timeout_s
+        )
+        try:
+            await self._process.start(self._command(self.port), self._env())
+            async with self._probe() as probe:
+                await self._process.wait_healthy(
+                    probe.health,
+                    timeout_s=settings.startup_timeout_s,
+                    poll_s=settings.health_poll_s,
+                )
+        except BaseException:
+            await self.aclose()
+            raise
+
+    def log_tail(self, num_bytes: int = 4000) -> str:
+        """The end of the server's log."""
+        return self._process.log_tail(num_bytes) if self._process is not None else ""
+
+    async def aclose(self) -> None:
+        """Stop the server's process group: SIGTERM, then SIGKILL; idempotent."""
+        process, self._process = self._process, None
+        if process is not None:
+            await process.aclose()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from dynarl.backends._server_process import ServerProcess, free_port
+from dynarl.backends._server_process import ManagedServer, free_port
 from dynarl.backends.sglang._client import ClientConfig, SGLangClient
 
 __all__ = ["SGLangServer", "SGLangServerConfig", "free_port", "launch_command"]
@@ -97,23 +97,14 @@ def launch_command(config: SGLangServerConfig, port: int) -> list[str]:
     return argv + list(config.extra_args)
 
 
-class SGLangServer:
+class SGLangServer(ManagedServer):
     """A server process this object started and will stop; ``async with SGLangServer(cfg)``."""
 
+    engine = "SGLang"
+
     def __init__(self, config: SGLangServerConfig) -> None:
+        super().__init__(config)
         self.config = config
-        self.port = config.port
-        self._process: ServerProcess | None = None
-
-    @property
-    def url(self) -> str:
-        """``http://host:port`` of the server."""
-        return f"http://{self.config.host}:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        """Process id (and process-group id) of the server, while it runs."""
-        return self._process.pid if self._process is not None else None
 
     def client_config(self) -> ClientConfig:
         """A :class:`ClientConfig` for this server, with its keys."""
@@ -121,48 +112,16 @@ class SGLangServer:
             base_url=self.url, api_key=self.config.api_key, admin_api_key=self.config.admin_api_key
         )
 
-    async def __aenter__(self) -> SGLangServer:
-        await self.start()
-        return self
+    def _command(self, port: int) -> list[str]:
+        return launch_command(self.config, port)
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
+    def _env(self) -> dict[str, str]:
+        return dict(self.config.env)
 
-    async def start(self) -> None:
-        """Start the process and wait until ``/health`` answers 200.
+    def _log_file(self, port: int) -> str | None:
+        return self.config.log_path
 
-        Raises BackendError (with the log tail) if it exits or misses the deadline; the
-        process is stopped first.
-        """
-        if self._process is not None:
-            raise RuntimeError("server already started")
-        self.port = self.config.port or free_port(self.config.host)
-        self._process = ServerProcess(
-            "SGLang", log_path=self.config.log_path, stop_timeout_s=self.config.stop_timeout_s
+    def _probe(self) -> SGLangClient:
+        return SGLangClient(
+            ClientConfig(base_url=self.url, num_attempts=1, timeout_s=5.0, connect_timeout_s=1.0)
         )
-        try:
-            await self._process.start(launch_command(self.config, self.port), dict(self.config.env))
-            client = SGLangClient(
-                ClientConfig(
-                    base_url=self.url, num_attempts=1, timeout_s=5.0, connect_timeout_s=1.0
-                )
-            )
-            async with client:
-                await self._process.wait_healthy(
-                    client.health,
-                    timeout_s=self.config.startup_timeout_s,
-                    poll_s=self.config.health_poll_s,
-                )
-        except BaseException:
-            await self.aclose()
-            raise
-
-    def log_tail(self, num_bytes: int = 4000) -> str:
-        """The end of the server's log."""
-        return self._process.log_tail(num_bytes) if self._process is not None else ""
-
-    async def aclose(self) -> None:
-        """Stop the process group this object started: SIGTERM, then SIGKILL; idempotent."""
-        process, self._process = self._process, None
-        if process is not None:
-            await process.aclose()

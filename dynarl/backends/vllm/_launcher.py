@@ -20,7 +20,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from dynarl.backends._server_process import ServerProcess, free_port
+from dynarl.backends._server_process import ManagedServer
 from dynarl.backends.vllm._client import VLLMClient, VLLMClientConfig
 
 __all__ = ["VLLMServer", "VLLMServerConfig", "launch_command", "server_env"]
@@ -142,82 +142,35 @@ def server_env(config: VLLMServerConfig) -> dict[str, str]:
     return env | dict(config.env)
 
 
-class VLLMServer:
+class VLLMServer(ManagedServer):
     """A vLLM server this object started and will stop; ``async with VLLMServer(cfg)``."""
 
+    engine = "vLLM"
+
     def __init__(self, config: VLLMServerConfig) -> None:
+        super().__init__(config)
         self.config = config
-        self.port = config.port
-        self._process: ServerProcess | None = None
-
-    @property
-    def url(self) -> str:
-        """``http://host:port`` of the server."""
-        return f"http://{self.config.host}:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        """Process id (and process-group id) of the server, while it runs."""
-        return self._process.pid if self._process is not None else None
-
-    @property
-    def log_path(self) -> str | None:
-        """The server's log file, while it runs (and after, under ``log_dir``)."""
-        return self._process.log_path if self._process is not None else None
 
     def client_config(self) -> VLLMClientConfig:
         """A :class:`VLLMClientConfig` for this server (change its deadlines with
         :func:`dataclasses.replace`)."""
         return VLLMClientConfig(base_url=self.url)
 
-    async def __aenter__(self) -> VLLMServer:
-        await self.start()
-        return self
+    def _command(self, port: int) -> list[str]:
+        return launch_command(self.config, port)
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
+    def _env(self) -> dict[str, str]:
+        return server_env(self.config)
 
-    async def start(self) -> None:
-        """Start the server and wait until ``/health`` answers 200.
+    def _log_file(self, port: int) -> str | None:
+        if self.config.log_dir is None:
+            return None
+        os.makedirs(self.config.log_dir, exist_ok=True)
+        return os.path.join(self.config.log_dir, f"vllm-{port}.log")
 
-        Raises BackendError naming vLLM, with the log tail, if it exits or misses the
-        deadline (it is stopped first); RuntimeError if already started.
-        """
-        if self._process is not None:
-            raise RuntimeError("vLLM server already started")
-        self.port = self.config.port or free_port(self.config.host)
-        log_path = None
-        if self.config.log_dir is not None:
-            os.makedirs(self.config.log_dir, exist_ok=True)
-            log_path = os.path.join(self.config.log_dir, f"vllm-{self.port}.log")
-        self._process = ServerProcess(
-            "vLLM", log_path=log_path, stop_timeout_s=self.config.stop_timeout_s
+    def _probe(self) -> VLLMClient:
+        return VLLMClient(
+            VLLMClientConfig(
+                base_url=self.url, num_attempts=1, timeout_s=5.0, connect_timeout_s=1.0
+            )
         )
-        try:
-            await self._process.start(
-                launch_command(self.config, self.port), server_env(self.config)
-            )
-            probe = VLLMClient(
-                VLLMClientConfig(
-                    base_url=self.url, num_attempts=1, timeout_s=5.0, connect_timeout_s=1.0
-                )
-            )
-            async with probe:
-                await self._process.wait_healthy(
-                    probe.health,
-                    timeout_s=self.config.startup_timeout_s,
-                    poll_s=self.config.health_poll_s,
-                )
-        except BaseException:
-            await self.aclose()
-            raise
-
-    def log_tail(self, num_bytes: int = 4000) -> str:
-        """The end of the server's log."""
-        return self._process.log_tail(num_bytes) if self._process is not None else ""
-
-    async def aclose(self) -> None:
-        """Stop the server's process group: SIGTERM, then SIGKILL; idempotent."""
-        process, self._process = self._process, None
-        if process is not None:
-            await process.aclose()
