@@ -22,7 +22,7 @@ from dynarl._resource import AsyncResource
 from dynarl.bus._bus_config import BusConfig
 from dynarl.bus._codec import Refusal
 from dynarl.bus._curve import CurveClient
-from dynarl.bus._endpoint import Endpoint
+from dynarl.bus._endpoint import Endpoint, UnsentError
 from dynarl.bus._messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -38,11 +38,14 @@ from dynarl.bus._messages import (
 )
 from dynarl.bus._peers import Peer
 from dynarl.bus._transport import DealerLink, open_dealer
-from dynarl.errors import PeerLostError, ProtocolError
+from dynarl.errors import DeadlineExceeded, PeerLostError, ProtocolError
 
 __all__ = ["BusClient"]
 
 logger = logging.getLogger(__name__)
+
+_REGISTER_RETRY_S = 0.05
+"""Pause between attempts to queue ``Register`` while the link has no connection."""
 
 
 def _ignore(message: Heartbeat, peer: Peer) -> None:
@@ -111,7 +114,7 @@ class BusClient(Endpoint, AsyncResource):
         await self._start(stack, self._receive(link.recv, link.recv_nowait), link.serve())
         stack.push_async_callback(self._leave)
         self._server.last_seen = self._now()
-        reply = await self._request(self._server, self._hello, self.config.register_timeout_s)
+        reply = await self._register()
         if not isinstance(reply, Welcome) or reply.protocol != PROTOCOL_VERSION:
             raise ProtocolError(f"protocol_version: server answered Register with {reply!r}")
         self.welcome = reply
@@ -122,6 +125,25 @@ class BusClient(Endpoint, AsyncResource):
         assert self._group is not None
         self._background.append(self._group.create_task(self._heartbeat(reply)))
         logger.info("bus client %s registered with %s at %s", self.name, reply.server, link.address)
+
+    async def _register(self) -> Any:
+        """Send ``Register`` until the server answers or ``register_timeout_s`` passes.
+
+        A server that refuses the connection at the handshake (CURVE on, and this client's
+        key not allowed or no CURVE at all) leaves ZeroMQ without a pipe to queue on until
+        it reconnects: that is the same refusal as a Register never answered, so it keeps
+        trying to the deadline and ends in DeadlineExceeded either way.
+        """
+        timeout = self.config.register_timeout_s
+        deadline = self._now() + timeout
+        while (remaining := deadline - self._now()) > 0:
+            try:
+                return await self._request(self._server, self._hello, remaining)
+            except UnsentError:
+                await asyncio.sleep(min(_REGISTER_RETRY_S, remaining))
+        raise DeadlineExceeded(
+            f"bus client {self.name!r}: {self._address} did not answer Register in {timeout} s"
+        )
 
     async def _leave(self) -> None:
         """Say ``Unregister`` (once registered), fail pending requests, cancel handlers."""

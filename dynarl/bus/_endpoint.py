@@ -68,6 +68,10 @@ def _pong(message: Ping, peer: Peer) -> Pong:
     return Pong(seq=message.seq, payload=message.payload)
 
 
+class UnsentError(BusError):
+    """A message could not even be queued: no connection to the peer, or its queue full."""
+
+
 class Endpoint:
     """Base of :class:`~dynarl.bus.BusServer` and :class:`~dynarl.bus.BusClient`."""
 
@@ -212,7 +216,7 @@ class Endpoint:
         self._pending.add(rid, future, peer, seconds)
         try:
             if not self._out(peer.key, data):
-                raise BusError(f"could not send to {peer.name!r}: unreachable or queue full")
+                raise UnsentError(f"could not send to {peer.name!r}: unreachable or queue full")
             self.stats.requests_out += 1
             self.stats.frames_out += 1
             return await future

@@ -347,3 +347,37 @@ def test_the_client_adopts_the_servers_smaller_size_limit() -> None:
                 assert await client.request(Ping(payload=b"x" * 900)) == Pong(payload=b"x" * 900)
 
     drive(main())
+
+
+class _Unqueueable(BusClient):
+    """A client whose link cannot queue its first ``refusals`` frames (ZeroMQ between a
+    refused handshake and the reconnect: no pipe to queue on)."""
+
+    def __init__(self, *args: Any, refusals: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.refusals = refusals
+
+    def _out(self, key: bytes, data: bytes) -> bool:
+        if self.refusals > 0:
+            self.refusals -= 1
+            return False
+        return super()._out(key, data)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_registration_outlasts_a_link_that_cannot_queue_yet(transport: str) -> None:
+    config = BusConfig(heartbeat_interval_s=0.05, register_timeout_s=2.0)
+
+    async def main() -> None:
+        async with BusServer(address(transport), config=config) as server:
+            late = _Unqueueable(server.address, name="late", config=config, refusals=3)
+            async with late:
+                assert late.refusals == 0 and server.peers() == ["late"]
+            never = _Unqueueable(server.address, name="never", config=config, refusals=10**9)
+            # The same refusal as a Register never answered: DeadlineExceeded, not a
+            # different error depending on when ZeroMQ dropped the refused connection.
+            with pytest.raises(DeadlineExceeded, match="did not answer Register"):
+                await never.start()
+            assert never.refusals < 10**9
+
+    drive(main())
