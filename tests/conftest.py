@@ -45,6 +45,23 @@ def _longest_first(item: pytest.Item) -> int:
     return _LONGEST_FIRST.index(path) if path in _LONGEST_FIRST else len(_LONGEST_FIRST)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``, except that every file under ``tests/engines/`` goes to one
+    process: they share that process's session-scoped engine servers (~3 GiB and half a
+    minute each to start)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class EnginesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "tests/engines" if path.startswith("tests/engines/") else path
+
+    return EnginesTogether(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=_longest_first)  # stable: every other test keeps its order
     import torch

@@ -30,7 +30,13 @@ COMMAND = ".venv/bin/python tests/update_public_api.py"
 
 # The modules outside any package that users import by name; every other module file is
 # private (``_name.py``), an ``__init__.py`` or a ``__main__.py``.
-PUBLIC_MODULES = ("dynarl.cli", "dynarl.errors", "dynarl.plots", "dynarl.types")
+PUBLIC_MODULES = (
+    "dynarl.backends.hf_layout",
+    "dynarl.cli",
+    "dynarl.errors",
+    "dynarl.plots",
+    "dynarl.types",
+)
 
 HEADER = f"""\
 # dynarl's public API: each public package's __all__, one name a line, with its kind.

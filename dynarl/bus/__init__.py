@@ -57,7 +57,9 @@ from dynarl.bus._messages import (
     MetaValue,
     PeerEvent,
     Sample,
+    pack_floats,
     pack_tokens,
+    unpack_floats,
     unpack_tokens,
 )
 from dynarl.bus._peers import Peer
@@ -117,7 +119,9 @@ __all__ = [
     "generate_keys",
     "load_public_key",
     "load_secret_key",
+    "pack_floats",
     "pack_tokens",
     "run",
+    "unpack_floats",
     "unpack_tokens",
 ]

@@ -478,3 +478,16 @@ def unpack_tokens(data: bytes) -> npt.NDArray[np.int32]:
     if len(data) % 4:
         raise ValueError(f"packed token ids must be a multiple of 4 bytes, got {len(data)}")
     return np.frombuffer(data, dtype=_TOKEN_DTYPE)
+
+
+def pack_floats(values: npt.ArrayLike) -> bytes:
+    """Little-endian float32 bytes (the wire form of ``Sample.logprobs``)."""
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def unpack_floats(data: bytes) -> list[float]:
+    """The floats of :func:`pack_floats` bytes; ValueError unless a multiple of 4 bytes."""
+    if len(data) % 4:
+        raise ValueError(f"packed floats must be a multiple of 4 bytes, got {len(data)}")
+    values: list[float] = np.frombuffer(data, dtype="<f4").astype(np.float64).tolist()
+    return values

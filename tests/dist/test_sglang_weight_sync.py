@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch.distributed import distributed_c10d
 
-from dynarl.backends.sglang import GPTLayout, megatron_to_hf, SGLangClient, WeightSyncConfig, close_update_group, open_update_group, plan_weight_sync, push_weights, receive_bucket, checksum_mismatches, expected_checksums
+from dynarl.backends.hf_layout import GPTLayout, megatron_to_hf
+from dynarl.backends.sglang import SGLangClient, WeightSyncConfig, close_update_group, open_update_group, plan_weight_sync, push_weights, receive_bucket, checksum_mismatches, expected_checksums
 from dynarl.backends.sglang._server_launcher import SGLangServer, SGLangServerConfig, free_port
 from dynarl.backends.sglang._weight_sync import broadcast_bucket
 from dynarl.backends.sglang._buckets import flatten_bucket

@@ -1,8 +1,9 @@
-"""One real vLLM server for the session, on the tiny random Llama written here (no hub).
+"""Two real vLLM servers for the session (the second only where a test needs two), on
+the tiny random Llama written here (no hub).
 
 vLLM runs in the interpreter named by ``DYNARL_VLLM_PYTHON`` (default: this one), which
 also writes the model. Without vLLM there the tests that need it are skipped, with that
-reason. The server is started once, on a loop of its own, and stopped with its whole
+reason. Each server is started once, on a loop of its own, and stopped with its whole
 process group when the session ends; its log stays in the session's temporary directory.
 """
 
@@ -34,15 +35,31 @@ def tiny_model(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="session")
-def vllm_server(
+def vllm_servers(
     engine_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VLLMServer]:
-    """A running vLLM server, shared by the session's engine tests."""
-    server = VLLMServer(server_config(engine_python, tiny_model, tmp_path_factory.mktemp("logs")))
+) -> Iterator[tuple[VLLMServer, VLLMServer]]:
+    """Two running vLLM servers on the same model, started together (each takes half a
+    minute or more), shared by the session's engine tests."""
+    servers = tuple(
+        VLLMServer(server_config(engine_python, tiny_model, tmp_path_factory.mktemp("logs")))
+        for _ in range(2)
+    )
     loop = asyncio.new_event_loop()
     try:
-        loop.run_until_complete(server.start())
-        yield server
+        loop.run_until_complete(asyncio.gather(*(server.start() for server in servers)))
+        yield servers
     finally:
-        loop.run_until_complete(server.aclose())
+        loop.run_until_complete(asyncio.gather(*(server.aclose() for server in servers)))
         loop.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_servers: tuple[VLLMServer, VLLMServer]) -> VLLMServer:
+    """The first server (most tests need one)."""
+    return vllm_servers[0]
+
+
+@pytest.fixture(scope="session")
+def vllm_server_b(vllm_servers: tuple[VLLMServer, VLLMServer]) -> VLLMServer:
+    """The second server (the tests that move work between engines)."""
+    return vllm_servers[1]

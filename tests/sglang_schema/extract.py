@@ -52,6 +52,7 @@ IO_CLASSES = (
     "BeginWeightUpdateReqInput",
     "EndWeightUpdateReqInput",
     "CheckWeightsReqInput",
+    "UpdateWeightVersionReqInput",
 )
 API_CLASSES = ("GenerateRequest", "SamplingParams")
 LOAD_CLASSES = ("LoadSnapshot", "MemoryMetrics", "QueueMetrics")
@@ -72,6 +73,7 @@ ROUTES = (
     "/begin_weight_update",
     "/end_weight_update",
     "/update_weights_from_distributed",
+    "/update_weight_version",
     "/weights_checker",
     "/v1/loads",
 )

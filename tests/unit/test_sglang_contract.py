@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from dynarl.backends.sglang import SGLangClient
+from dynarl.backends.serving import EngineRequest, VersionSpan
+from dynarl.backends.sglang import SGLangClient, SGLangServerEngine
 from dynarl.backends.sglang._client import ClientConfig
 from dynarl.backends.sglang._control_steps import execute_steps, plan_activate, plan_deactivate
 from dynarl.backends.sglang._http_wire import GenerateRequest, SamplingParams
@@ -124,6 +125,38 @@ def test_abort_by_rid_returns_the_partial_output(target: str) -> None:
             await engine.abort(request.rid)
         result = pending.result()
         assert result.aborted and 0 < len(result.output_ids) < LONG.max_new_tokens
+
+    _run(target, test)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_engine_protocol_reads_logprobs_and_spans_across_a_version_change(
+    target: str,
+) -> None:
+    async def test(engine: SGLangEngine) -> None:
+        config, version = engine.client.config, _rid()
+        long = EngineRequest(
+            request_id=_rid(), token_ids=(1, 2, 3), max_new_tokens=1500, ignore_eos=True
+        )
+        async with (
+            SGLangServerEngine(url=config.base_url, client=config) as adapter,
+            asyncio.TaskGroup() as tasks,
+        ):
+            pending = tasks.create_task(adapter.generate(long))
+            await _until_running(engine)
+            await adapter.set_weight_version(version)  # without aborting the long one
+            short = await adapter.generate(
+                EngineRequest(
+                    request_id=_rid(), token_ids=(4, 5), max_new_tokens=4, ignore_eos=True
+                )
+            )
+            await adapter.abort(long.request_id)
+        partial = pending.result()
+        assert short.finish == "length" and short.versions == (VersionSpan(version, 0, 4),)
+        assert len(short.logprobs) == 4 and all(logprob <= 0 for logprob in short.logprobs)
+        assert partial.aborted and 0 < len(partial.token_ids) < long.max_new_tokens
+        assert len(partial.logprobs) == len(partial.token_ids)
+        assert partial.token_versions()[-1] == version
 
     _run(target, test)
 

@@ -1,4 +1,7 @@
-"""SGLangEngine and the step plans: idle-safe release, re-dispatch without loss, metrics."""
+"""SGLangEngine and the step plans: idle-safe release, reusable prefixes, metrics.
+
+Re-dispatch after an abort is the runtime's (``test_sglang_server_engine.py`` runs it
+against two fake servers)."""
 
 from __future__ import annotations
 
@@ -6,8 +9,6 @@ import asyncio
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from dynarl.backends.sglang import SGLangClient
 from dynarl.backends.sglang._client import ClientConfig
@@ -34,8 +35,6 @@ from dynarl.backends.sglang._http_wire import (
 )
 from dynarl.backends.sglang._sglang_engine import (
     SGLangEngine,
-    continuation,
-    merge_results,
     rollout_report,
     worker_metrics,
 )
@@ -125,69 +124,6 @@ def test_each_finished_request_reports_its_reusable_prefix() -> None:
 
     asyncio.run(main())
     assert seen == [("e0", "a", 0), ("e0", "b", 3)]
-
-
-@settings(max_examples=12, deadline=None)
-@given(
-    prompt=st.lists(st.integers(0, 200), min_size=1, max_size=6),
-    max_new=st.integers(1, 12),
-    abort_after=st.integers(1, 14),
-)
-def test_abort_and_continue_elsewhere_equals_one_uninterrupted_run(
-    prompt: list[int], max_new: int, abort_after: int
-) -> None:
-    params = SamplingParams(max_new_tokens=max_new)
-    request = GenerateRequest(rid="r", input_ids=prompt, sampling_params=params)
-
-    async def main() -> tuple[GenerateResult, GenerateResult]:
-        manual = FakeSGLangConfig(step_interval_s=None)
-        async with FakeSGLangServer(manual) as donor, FakeSGLangServer() as receiver:
-            async with _engine(donor) as first, _engine(receiver) as second:
-                whole = await second.generate(
-                    GenerateRequest(rid="w", input_ids=prompt, sampling_params=params)
-                )
-                pending = asyncio.create_task(first.generate(request))
-                await donor.wait_until(lambda s: len(s.waiting) == 1)
-                await donor.step(abort_after)
-                if not pending.done():
-                    await first.abort(request.rid)
-                    await donor.step()
-                partial = await pending
-                if not partial.aborted:
-                    return whole, partial
-                rest_request = continuation(request, partial)
-                rest = await second.generate(rest_request) if rest_request else None
-                return whole, merge_results(partial, rest)
-
-    whole, merged = asyncio.run(main())
-    assert merged.output_ids == whole.output_ids
-    assert merged.finish_reason == whole.finish_reason
-
-
-def test_a_partial_at_its_length_limit_is_not_resent() -> None:
-    request = GenerateRequest(
-        rid="r", input_ids=[1], sampling_params=SamplingParams(max_new_tokens=3)
-    )
-    partial = GenerateResult(
-        rid="r",
-        text="abc",
-        output_ids=(97, 98, 99),
-        finish_reason=_abort(),
-    )
-    assert continuation(request, partial) is None
-    final = merge_results(partial, None)
-    assert final.finish_reason is not None and final.finish_reason.type == "length"
-    assert final.output_ids == (97, 98, 99)
-    with pytest.raises(ValueError, match="not an aborted result"):
-        continuation(
-            request, GenerateResult(rid="x", text="", output_ids=(), finish_reason=_abort())
-        )
-
-
-def _abort() -> object:
-    from dynarl.backends.sglang._http_wire import FinishReason
-
-    return FinishReason(type="abort", message="Aborted")
 
 
 def test_worker_metrics_pool_dp_ranks() -> None:

@@ -9,13 +9,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynarl.backends.sglang import (
-    Bucket,
+from dynarl.backends.hf_layout import (
     GPTLayout,
-    TensorMeta,
-    expected_checksums,
     hf_to_megatron,
     megatron_to_hf,
+    merge_gated_fc1,
+    merge_qkv,
+    partition_dim,
+    split_gated_fc1,
+    split_qkv,
+)
+from dynarl.backends.sglang import (
+    Bucket,
+    TensorMeta,
+    expected_checksums,
     overall_checksum,
     sglang_rank_params,
 )
@@ -24,13 +31,6 @@ from dynarl.backends.sglang._buckets import (
     plan_buckets,
     tensor_meta,
     unflatten_bucket,
-)
-from dynarl.backends.sglang._hf_layout import (
-    merge_gated_fc1,
-    merge_qkv,
-    partition_dim,
-    split_gated_fc1,
-    split_qkv,
 )
 from dynarl.backends.sglang._weight_check import cpu_tensor_hash, cuda_tensor_hash
 

@@ -7,7 +7,7 @@ SGLang takes full tensors under HF names, broadcast from one rank
    (plan: :func:`dynarl.migrate.plan_reshard` with one full copy on that rank as the
    destination; TP shards, PP stages and DP replicas alike; checksummed);
 2. :func:`to_hf` renames and re-lays them with
-   :mod:`dynarl.backends.sglang._hf_layout` (fused QKV split per query group, gated
+   :mod:`dynarl.backends.hf_layout` (fused QKV split per query group, gated
    ``linear_fc1`` into ``gate``/``up``);
 3. :func:`dynarl.backends.sglang.push_weights` buckets and broadcasts them inside
    ``/begin_weight_update`` … ``/end_weight_update``;
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dynarl.backends.hf_layout import hf_to_megatron, megatron_to_hf
 from dynarl.backends.megatron._megatron_trainer import MegatronTrainer
 from dynarl.backends.megatron._train_config import GPTModelConfig
 from dynarl.backends.sglang import (
@@ -38,8 +39,6 @@ from dynarl.backends.sglang import (
     WeightSyncConfig,
     checksum_mismatches,
     expected_checksums,
-    hf_to_megatron,
-    megatron_to_hf,
     plan_weight_sync,
     push_weights,
 )

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 
 from dynarl.backends._grpo import GRPOConfig
-from dynarl.backends.sglang import GPTLayout
+from dynarl.backends.hf_layout import GPTLayout
 from dynarl.migrate import ExecutorConfig
 
 __all__ = ["DTYPES", "GPTModelConfig", "MegatronTrainConfig"]

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from dynarl.backends._grpo import TrainSample
-from dynarl.bus import MetaValue, Sample, unpack_tokens
+from dynarl.bus import MetaValue, Sample, pack_floats, unpack_floats, unpack_tokens
 
 __all__ = [
     "ADVANTAGE",
@@ -45,17 +43,6 @@ ENV_SPANS = "env"
 """Response token spans the environment wrote (``"start:end,..."``), not the policy."""
 TOOL_CALLS = "tool_calls"
 """Tool calls the episode has completed (a request priority key)."""
-
-
-def pack_floats(values: Sequence[float]) -> bytes:
-    """Little-endian float32 bytes (the wire form of ``Sample.logprobs``)."""
-    return np.asarray(values, dtype="<f4").tobytes()
-
-
-def unpack_floats(data: bytes) -> list[float]:
-    """The floats of :func:`pack_floats` bytes."""
-    values: list[float] = np.frombuffer(data, dtype="<f4").astype(np.float64).tolist()
-    return values
 
 
 def meta_float(value: MetaValue) -> float:

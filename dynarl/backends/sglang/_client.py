@@ -6,10 +6,11 @@ Every call has a deadline. Retries are bounded and limited to what cannot do har
   whatever the endpoint;
 - a call whose connection broke, that timed out, or that got 502/503/504 is retried only if
   the endpoint is idempotent: ``/health``, ``/model_info``, ``/v1/loads``,
-  ``/weights_checker``, ``/abort_request``, ``/pause_generation``, ``/continue_generation``
-  and ``/flush_cache``. ``/generate`` (would run twice), memory release/resume (resume twice
-  is an error), weight-update group and session calls and ``/update_weights_from_distributed``
-  (its broadcast must pair with the trainer's) are never retried past a connection.
+  ``/weights_checker``, ``/abort_request``, ``/pause_generation``, ``/continue_generation``,
+  ``/flush_cache`` and ``/update_weight_version``. ``/generate`` (would run twice), memory
+  release/resume (resume twice is an error), weight-update group and session calls and
+  ``/update_weights_from_distributed`` (its broadcast must pair with the trainer's) are
+  never retried past a connection.
 
 The transport (deadline, retry rule) is :mod:`dynarl.backends._http`'s. HTTP errors and
 unreadable replies raise :class:`~dynarl.errors.BackendError`; the weight
@@ -190,7 +191,7 @@ class SGLangClient:
         try:
             return decode_generate_result(reply.body, request.rid)
         except msgspec.DecodeError as exc:
-            raise BackendError(f"/generate {request.rid}: unreadable reply: {exc}") from exc
+            raise BackendError(f"SGLang /generate {request.rid}: unreadable reply: {exc}") from exc
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateResult]:
         """Stream one request: cumulative results, the last one finished (or aborted).
@@ -348,6 +349,21 @@ class SGLangClient:
         return await self._control(
             "/update_weights_from_distributed", body, self.config.weight_update_timeout_s
         )
+
+    async def update_weight_version(
+        self, version: str, *, abort_all_requests: bool = False
+    ) -> ControlResult:
+        """``/update_weight_version``: the label tokens sampled from now on report.
+
+        SGLang's own default aborts every request in flight; this one does not unless
+        ``abort_all_requests``.
+        """
+        body = {"new_version": version, "abort_all_requests": abort_all_requests}
+        reply = await self._call(
+            "POST", "/update_weight_version", body=body, admin=True, idempotent=True, ok=(200, 400)
+        )
+        result: ControlResult = self._decode(reply, ControlResult, "/update_weight_version")
+        return result
 
     async def weights_checksum(self, skip_tensor_list: Sequence[str] = ()) -> ChecksumReply:
         """``/weights_checker`` with ``action="checksum"``: per-rank parameter hashes."""

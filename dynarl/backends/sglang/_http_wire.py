@@ -26,6 +26,7 @@ __all__ = [
     "QueueMetrics",
     "RankChecksum",
     "SamplingParams",
+    "WeightVersionSpan",
     "decode_generate_result",
 ]
 
@@ -85,6 +86,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
     first unless ``--schedule-low-priority-values-first``)."""
     session_id: str | None = None
     """Stable identity shared by the turns of one episode (does not change the prompt)."""
+    return_logprob: bool | None = None
+    """Return each output token's log-probability (``meta_info.output_token_logprobs``)."""
 
     def __post_init__(self) -> None:
         if not self.rid:
@@ -108,6 +111,16 @@ class FinishReason(msgspec.Struct, frozen=True, kw_only=True):
     """HTTP status an abort carries, if any."""
 
 
+class WeightVersionSpan(msgspec.Struct, frozen=True, kw_only=True):
+    """One entry of ``meta_info.weight_versions``: output tokens ``[start, end)`` were
+    sampled under ``version``. SGLang sends them on a request's final reply only; an empty
+    output has one empty span (``start == end == 0``)."""
+
+    version: str
+    start: int
+    end: int
+
+
 class _MetaInfo(msgspec.Struct, frozen=True, kw_only=True):
     id: str = ""
     finish_reason: FinishReason | None = None
@@ -116,7 +129,9 @@ class _MetaInfo(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int = 0
     e2e_latency: float | None = None
     weight_version: str | None = None
+    weight_versions: list[WeightVersionSpan] | None = None
     num_retractions: int = 0
+    output_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
 
 
 class _GenerateReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -148,6 +163,11 @@ class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
     """Weight version that produced the output."""
     num_retractions: int = 0
     """Times the request was retracted (preempted) and recomputed."""
+    weight_versions: tuple[WeightVersionSpan, ...] | None = None
+    """Spans over the output giving each token's weight version (final replies only)."""
+    output_token_logprobs: tuple[tuple[float | None, int], ...] | None = None
+    """``(log-probability, token id)`` of each output token, when ``return_logprob`` was
+    set (SGLang sends ``[logprob, token_id, text]``; the text is dropped)."""
 
     @property
     def finished(self) -> bool:
@@ -181,6 +201,12 @@ def decode_generate_result(body: bytes | dict[str, Any], rid: str) -> GenerateRe
         e2e_latency=meta.e2e_latency,
         weight_version=meta.weight_version,
         num_retractions=meta.num_retractions,
+        weight_versions=tuple(meta.weight_versions) if meta.weight_versions is not None else None,
+        output_token_logprobs=(
+            tuple((logprob, token) for logprob, token, _ in meta.output_token_logprobs)
+            if meta.output_token_logprobs is not None
+            else None
+        ),
     )
 
 

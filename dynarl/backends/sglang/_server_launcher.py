@@ -11,6 +11,7 @@ caller's event loop.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -57,7 +58,8 @@ class SGLangServerConfig:
     stop_timeout_s: float = 30.0
     """Grace period between SIGTERM and SIGKILL."""
     log_path: str | None = None
-    """File for the server's stdout and stderr; a temporary file if None."""
+    """File for the server's stdout and stderr (appended to; its directory is created); a
+    temporary file if None."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -119,6 +121,8 @@ class SGLangServer(ManagedServer):
         return dict(self.config.env)
 
     def _log_file(self, port: int) -> str | None:
+        if self.config.log_path is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.config.log_path)), exist_ok=True)
         return self.config.log_path
 
     def _probe(self) -> SGLangClient:

@@ -7,8 +7,8 @@ an abort, requests need one more scheduler iteration to leave), reports each fin
 request's reusable prefix (``meta_info.cached_tokens``) to an injected sink for the
 scheduler's priority queue, and turns ``/v1/loads`` into :class:`~dynarl.bus.WorkerMetrics`.
 
-:func:`continuation` and :func:`merge_results` re-dispatch an aborted request elsewhere
-without losing or duplicating tokens. Runs on the caller's event loop.
+An aborted request's partial output is continued elsewhere by the runtime's dispatcher
+(``dynarl.runtime.controller``), the one re-dispatch path. Runs on the caller's event loop.
 """
 
 from __future__ import annotations
@@ -18,12 +18,9 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from msgspec.structs import replace
-
 from dynarl.backends.sglang._client import SGLangClient
 from dynarl.backends.sglang._http_wire import (
     MEMORY_TAGS,
-    FinishReason,
     GenerateRequest,
     GenerateResult,
     LoadsReply,
@@ -36,8 +33,6 @@ from dynarl.types import ComponentKind
 __all__ = [
     "CachedTokensSink",
     "SGLangEngine",
-    "continuation",
-    "merge_results",
     "rollout_report",
     "worker_metrics",
 ]
@@ -128,58 +123,6 @@ def rollout_report(
         remaining=remaining,
         interruptible=all(metrics.interruptible for metrics in ordered),
         iteration=iteration,
-    )
-
-
-def continuation(request: GenerateRequest, partial: GenerateResult) -> GenerateRequest | None:
-    """The request that finishes an aborted one elsewhere, or None if nothing is left.
-
-    Its prompt is the original prompt followed by the partial output, and its token budget
-    what remains, so :func:`merge_results` of the two equals one uninterrupted run. A partial
-    output already at ``max_new_tokens`` needs no continuation (re-sending it would return
-    the sequence twice). Raises ValueError if ``partial`` is not an aborted result of
-    ``request``.
-    """
-    if partial.rid != request.rid or not partial.aborted:
-        raise ValueError(f"{partial.rid!r} is not an aborted result of {request.rid!r}")
-    sampling = request.sampling_params
-    done = len(partial.output_ids)
-    remaining = sampling.max_new_tokens - done
-    if remaining <= 0:
-        return None
-    params = replace(
-        sampling,
-        max_new_tokens=remaining,
-        min_new_tokens=max(sampling.min_new_tokens - done, 0),
-    )
-    if request.input_ids is not None:
-        return replace(
-            request,
-            input_ids=[*request.input_ids, *partial.output_ids],
-            sampling_params=params,
-        )
-    return replace(request, text=(request.text or "") + partial.text, sampling_params=params)
-
-
-def merge_results(partial: GenerateResult, rest: GenerateResult | None) -> GenerateResult:
-    """One result from an aborted partial and its continuation (None: the partial ended at
-    its length limit and is final)."""
-    if rest is None:
-        length = len(partial.output_ids)
-        return replace(partial, finish_reason=FinishReason(type="length", length=length))
-    reason = rest.finish_reason
-    if reason is not None and reason.type == "length" and reason.length is not None:
-        # The continuation's limit was what remained of the original one.
-        reason = replace(reason, length=reason.length + len(partial.output_ids))
-    return replace(
-        rest,
-        finish_reason=reason,
-        text=partial.text + rest.text,
-        output_ids=partial.output_ids + rest.output_ids,
-        prompt_tokens=partial.prompt_tokens or rest.prompt_tokens,
-        completion_tokens=len(partial.output_ids) + len(rest.output_ids),
-        cached_tokens=partial.cached_tokens,
-        num_retractions=partial.num_retractions + rest.num_retractions,
     )
 
 

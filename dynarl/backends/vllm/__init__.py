@@ -4,6 +4,8 @@ client needs only ``aiohttp``, and vLLM may live in an environment of its own).
 - :class:`VLLMServer` — launch and stop ``python -m vllm.entrypoints.openai.api_server``
   (its own process group, a parent-death signal, a bounded ``/health`` wait, the log kept
   in a run directory);
+- :class:`VLLMEngine` — one server as the engine the serving role drives
+  (:mod:`dynarl.backends.serving`), launched or attached;
 - :class:`VLLMClient` — typed async calls with deadlines: generate from token ids
   (:class:`GenerateRequest` → :class:`GenerateResult`: token ids, per-token log-probs,
   weight versions as :class:`WeightVersionSpan`), abort one or all (the waiting call gets
@@ -18,6 +20,7 @@ Measured behaviour of the server: ``docs/engines.md``.
 from __future__ import annotations
 
 from dynarl.backends.vllm._client import VLLMClient, VLLMClientConfig
+from dynarl.backends.vllm._engine import VLLMEngine
 from dynarl.backends.vllm._launcher import VLLMServer, VLLMServerConfig
 from dynarl.backends.vllm._wire import (
     GenerateRequest,
@@ -35,6 +38,7 @@ __all__ = [
     "SamplingParams",
     "VLLMClient",
     "VLLMClientConfig",
+    "VLLMEngine",
     "VLLMLoad",
     "VLLMServer",
     "VLLMServerConfig",

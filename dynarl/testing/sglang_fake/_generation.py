@@ -56,6 +56,7 @@ class GenerationEndpoints:
             or isinstance(body.text, list)
             or isinstance(body.sampling_params, list)
             or (body.input_ids and isinstance(body.input_ids[0], list))
+            or isinstance(body.return_logprob, list)
         ):
             return value_error("FakeSGLangServer does not model batch requests")
         sampling = dict(body.sampling_params) if isinstance(body.sampling_params, dict) else {}
@@ -123,8 +124,10 @@ class GenerationEndpoints:
             sampling=sampling,
             priority=self._priority(body),
             stream=body.stream,
+            return_logprob=body.return_logprob is True,
         )
         scheduler.register(req)
+        await scheduler.notify()
         try:
             await scheduler.wait_dispatchable()
             self._check_lengths(req.prompt, sampling)

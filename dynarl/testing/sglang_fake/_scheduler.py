@@ -6,13 +6,18 @@ HTTP boundary (sources in the pinned wheel, ``srt/managers``):
 - one iteration admits waiting requests (priority order, then arrival) while
   ``max_running_requests`` and the KV pool allow, each producing its first token, and gives
   every other running request one token;
-- admission matches the prompt against the radix cache (``meta_info.cached_tokens``) and
-  locks it; a finished request caches prompt + output (its last token has no KV yet);
+- admission matches the prompt but its last token against the radix cache
+  (``meta_info.cached_tokens``) and locks it; a finished request caches prompt + output
+  (its last token has no KV yet);
 - aborting a *waiting* request finishes it at once (``"Abort in waiting queue"``, meta
   without ``prompt_tokens``/``cached_tokens``); aborting a *running* one sets ``to_finish``
   and it ends at the next iteration with one more token and ``"Aborted"``;
 - pause ``abort`` blocks new requests and aborts everything; ``retract`` and ``in_place``
   also stop iterations (retract moves running requests back to waiting, freeing their KV);
+- with ``return_logprob`` each output token's log-probability comes back as
+  ``meta_info.output_token_logprobs`` (``[logprob, token_id, null]``); a final reply
+  carries ``meta_info.weight_versions``, the spans of output tokens per weight version
+  (:mod:`._versions`), as SGLang's output streamer and tokenizer manager compute them;
 - "idle" for flush and memory release is SGLang's ``is_fully_idle``: nothing running, and
   nothing waiting unless the engine is paused.
 
@@ -32,6 +37,7 @@ from typing import Any
 
 from dynarl.testing.sglang_fake._cache import PrefixCache, PrefixNode
 from dynarl.testing.sglang_fake._fake_config import FakeSGLangConfig
+from dynarl.testing.sglang_fake._versions import VersionEvent, next_token, version_spans
 
 __all__ = ["FakeScheduler", "Req", "SchedulerCrashed"]
 
@@ -58,7 +64,10 @@ class Req:
     stream: bool
     arrival: float
     seq: int
+    return_logprob: bool = False
     output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    version_events: list[VersionEvent] = field(default_factory=list)
     cached_tokens: int = 0
     cached_len: int = 0
     node: PrefixNode | None = None
@@ -207,6 +216,7 @@ class FakeScheduler:
         self.frontend_paused = True
         if mode == "abort":
             self.abort("", abort_all=True)
+            await self.notify()
             await self.wait_drained()
             return
         self.engine_paused = True
@@ -220,6 +230,16 @@ class FakeScheduler:
         self.frontend_paused = False
         self.engine_paused = False
         await self.notify()
+
+    def set_weight_version(self, version: str | None) -> None:
+        """``record_weight_version_change``: later tokens report ``version``; every live
+        request with output remembers where the old version ended."""
+        if version is None or version == self.weight_version:
+            return
+        for req in {*self.running, *self.waiting}:
+            if req.output:
+                req.version_events.append(VersionEvent(self.weight_version, len(req.output)))
+        self.weight_version = version
 
     # ------------------------------------------------------------------ one iteration
 
@@ -260,7 +280,8 @@ class FakeScheduler:
             return False
         sequence = req.prompt + req.output
         use_cache = not self.config.disable_radix_cache
-        matched, node = self.cache.match(sequence) if use_cache else (0, self.cache.root)
+        # The last token is always computed (its logits sample the next one), as in SGLang.
+        matched, node = self.cache.match(sequence[:-1]) if use_cache else (0, self.cache.root)
         self.cache.lock(node)  # keep the matched prefix through the eviction below
         reserved = sum(r.max_new_tokens - len(r.output) for r in self.running)
         need = len(sequence) - matched + req.max_new_tokens - len(req.output) + reserved
@@ -305,7 +326,7 @@ class FakeScheduler:
 
     def _decode(self, req: Req) -> int:
         if req.to_finish is not None:
-            req.output.append(self._next_token(req))
+            self._sample(req)
             self._release(req, cache_output=False)
             self.running.remove(req)
             self._finish(req, req.to_finish, in_waiting=False)
@@ -314,8 +335,7 @@ class FakeScheduler:
         return 1
 
     def _emit_token(self, req: Req) -> None:
-        token = self._next_token(req)
-        req.output.append(token)
+        token = self._sample(req)
         reason: dict[str, Any] | None = None
         if token in req.stop_token_ids and len(req.output) >= req.min_new_tokens:
             reason = {"type": "stop", "matched": token}
@@ -330,14 +350,12 @@ class FakeScheduler:
         self._finish(req, reason, in_waiting=False)
 
     @staticmethod
-    def _next_token(req: Req) -> int:
-        """Deterministic "sampling": a lowercase letter, a function of the sequence so far
-        (its last three tokens and its length), so a request continued elsewhere from its
-        partial output produces the same tokens as an uninterrupted one."""
-        sequence = req.prompt + req.output
-        tail = sequence[-3:]
-        mixed = sum((token + 1) * weight for token, weight in zip(tail, (7, 31, 17), strict=False))
-        return 97 + (mixed + 13 * len(sequence)) % 26
+    def _sample(req: Req) -> int:
+        """Append the next token (:func:`._versions.next_token`) and its log-probability."""
+        token, logprob = next_token(req.prompt + req.output)
+        req.output.append(token)
+        req.logprobs.append(logprob)
+        return token
 
     def _release(self, req: Req, *, cache_output: bool) -> None:
         if cache_output and not self.config.disable_radix_cache:
@@ -350,7 +368,7 @@ class FakeScheduler:
     # ------------------------------------------------------------------ outputs
 
     def _meta(self, req: Req, reason: dict[str, Any] | None) -> dict[str, Any]:
-        return {
+        meta: dict[str, Any] = {
             "id": req.rid,
             "finish_reason": reason,
             "prompt_tokens": len(req.prompt),
@@ -360,6 +378,25 @@ class FakeScheduler:
             "completion_tokens": len(req.output),
             "cached_tokens": req.cached_tokens,
         }
+        if reason is not None:
+            self._add_versions(meta, req)
+        self._add_logprobs(meta, req)
+        return meta
+
+    def _add_versions(self, meta: dict[str, Any], req: Req) -> None:
+        spans = version_spans(req.version_events, self.weight_version, len(req.output))
+        meta["weight_versions"] = spans
+        meta["weight_version"] = spans[-1]["version"]
+
+    @staticmethod
+    def _add_logprobs(meta: dict[str, Any], req: Req) -> None:
+        if req.return_logprob:
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [
+                [logprob, token, None]
+                for logprob, token in zip(req.logprobs, req.output, strict=True)
+            ]
+            meta["output_token_logprobs_length"] = len(req.output)
 
     def _out(self, req: Req, reason: dict[str, Any] | None) -> dict[str, Any]:
         return {
@@ -377,8 +414,10 @@ class FakeScheduler:
                 "finish_reason": reason,
                 "weight_version": self.weight_version,
                 "e2e_latency": latency,
-                "completion_tokens": len(req.output),
             }
+            self._add_versions(meta, req)
+            self._add_logprobs(meta, req)
+            meta["completion_tokens"] = len(req.output)
             out: dict[str, Any] = {
                 "text": _text(req.output),
                 "output_ids": list(req.output),

@@ -41,6 +41,7 @@ __all__ = [
     "PauseGenerationReqInput",
     "ReleaseMemoryOccupationReqInput",
     "ResumeMemoryOccupationReqInput",
+    "UpdateWeightVersionReqInput",
     "UpdateWeightsFromDistributedReqInput",
     "decode_body",
     "generate_contract_error",
@@ -107,6 +108,11 @@ class UpdateWeightsFromDistributedReqInput(_BaseReq, kw_only=True):
     load_format: str | None = None
     selector: Selector = "all"
     torch_empty_cache: bool = False
+
+
+class UpdateWeightVersionReqInput(_BaseReq, kw_only=True):
+    new_version: str
+    abort_all_requests: bool = True
 
 
 class BeginWeightUpdateReqInput(_BaseReq, kw_only=True):

@@ -59,6 +59,7 @@ _ADMIN = frozenset(
         "/begin_weight_update",
         "/end_weight_update",
         "/update_weights_from_distributed",
+        "/update_weight_version",
         "/weights_checker",
     }
 )
@@ -238,6 +239,7 @@ class FakeSGLangServer:
                 post("/begin_weight_update", self._weights.begin_update),
                 post("/end_weight_update", self._weights.end_update),
                 post("/update_weights_from_distributed", self._weights.update_distributed),
+                post("/update_weight_version", self._update_weight_version),
                 get("/weights_checker", self._weights.weights_checker),
                 post("/weights_checker", self._weights.weights_checker),
                 get("/v1/loads", self._loads),
@@ -341,6 +343,18 @@ class FakeSGLangServer:
             return validation_error(str(exc))
         self.scheduler.abort(body.rid or "", body.abort_all)
         return web.Response(status=200)
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request, schema.UpdateWeightVersionReqInput)
+        except ValueError as exc:
+            return validation_error(str(exc))
+        if body.abort_all_requests:
+            self.scheduler.abort("", abort_all=True)
+        self.scheduler.set_weight_version(body.new_version)
+        await self.scheduler.notify()
+        message = f"Weight version updated to {body.new_version}"
+        return json_reply({"success": True, "message": message, "new_version": body.new_version})
 
     async def _flush_cache(self, request: web.Request) -> web.Response:
         try:

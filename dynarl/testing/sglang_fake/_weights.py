@@ -335,8 +335,7 @@ class WeightEndpoints:
         if not success:
             return success, message
         self._session["loaded"] = True
-        if body.weight_version is not None:
-            self.scheduler.weight_version = body.weight_version
+        self.scheduler.set_weight_version(body.weight_version)
         if body.flush_cache and not self.scheduler.flush():
             return False, _NOT_FLUSHED_AFTER_UPDATE
         return True, message

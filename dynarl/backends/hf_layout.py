@@ -1,6 +1,7 @@
 """Megatron-core GPT names and layouts ↔ Hugging Face Llama/Qwen names and layouts.
 
-SGLang loads weights by HF checkpoint names, so the trainer converts what it holds. Every
+Inference engines (SGLang, vLLM) load weights by HF checkpoint names, so the trainer
+converts what it holds; nothing here depends on an engine. Every
 Megatron tensor here is *full*: TP shards concatenated along :func:`partition_dim`. Two
 tensors are not a plain rename:
 

@@ -1,0 +1,237 @@
+"""``EngineRollout``: real inference engines (vLLM, SGLang) as the rollout role.
+
+One engine per device (:class:`~dynarl.backends.serving.EngineSetup`): the worker launches
+its server on ``start()`` and stops it on ``close()`` (or attaches to a running one). The
+runtime drives it as it drives the reference engine:
+
+- ``serve(GenerationRequest)`` sends the request's token ids to the engine with dynarl's
+  priority and sampling parameters and answers with the bus ``Sample``: prompt and new
+  tokens, each new token's log-probability and weight version (:data:`VERSIONS`), the
+  engine's cached-prefix count (``cached_tokens``) and the device. A continuation — the
+  runtime re-dispatching an aborted request with its partial output appended, the original
+  prompt length in :data:`PROMPT_LEN` — is just a longer prompt with what remains of the
+  budget: there is one re-dispatch path, the runtime's;
+- ``abort()`` aborts every request this role has in flight; each pending ``serve`` returns
+  its partial output (``finish`` = ``"abort"``), which the runtime continues elsewhere;
+- ``sleep()``/``wake()`` pause the engine (``keep``) and resume it; ``metrics()`` reports
+  the engine's load as read every ``metrics_interval_s``: utilization is the larger of KV
+  use and running requests over the engine's limit (:class:`EngineLoad`);
+- ``set_weight_version(version=N)`` (a call) labels the weights in force, so later tokens
+  report ``N``; the trainer's push is the production job's.
+
+Runs on the worker's event loop; no compute thread is needed (the engine is another
+process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Sequence
+
+from dynarl.backends._engine import Engine, EngineLoad, EngineOutput, EngineRequest
+from dynarl.backends.serving._setup import EngineSetup
+from dynarl.bus import (
+    GenerationRequest,
+    MetaValue,
+    Sample,
+    WorkerGroup,
+    pack_floats,
+    pack_tokens,
+    unpack_tokens,
+)
+from dynarl.errors import BackendError
+from dynarl.runtime import FINISH, VERSIONS, encode_versions
+from dynarl.runtime.worker import RoleContext, RoleMetrics
+from dynarl.types import ComponentKind
+
+__all__ = ["CACHED_TOKENS", "EngineRollout"]
+
+logger = logging.getLogger(__name__)
+
+CACHED_TOKENS = "cached_tokens"
+"""Sample metadata key: prompt tokens the engine served from its prefix cache."""
+_ABORT_ROUND_S = 0.05
+"""Pause between abort rounds: an abort reaches only requests the server has received."""
+_ABORT_DEADLINE_S = 30.0
+
+
+class EngineRollout(WorkerGroup, kind=ComponentKind.ROLLOUT, name="rollout"):
+    """A real engine per device as the rollout role (see the module docstring); options:
+    an :class:`EngineSetup` (``EngineSetup(...).to_options()``)."""
+
+    def __init__(self, ctx: RoleContext) -> None:
+        self.ctx = ctx
+        self.setup = EngineSetup.from_options(ctx.options)
+        self.engine: Engine | None = None
+        self.version = 0
+        """The weight version in force (the label the engine reports)."""
+        self._inflight: dict[str, asyncio.Task[EngineOutput]] = {}
+        self._ids = itertools.count()
+        self._load: EngineLoad | None = None
+        self._completed = 0
+        self._cached = 0
+        self._prompted = 0
+        self._asleep = False
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def start(self) -> None:
+        """Start this device's engine (BackendError naming it, with its log tail, if it
+        cannot) and label its weights with version 0."""
+        engine = self.setup.build(self.ctx.device)
+        try:
+            await engine.start()
+            await engine.set_weight_version(str(self.version))
+        except BaseException:
+            await engine.aclose()
+            raise
+        self.engine = engine
+        self._load = await engine.load()
+
+    async def close(self) -> None:
+        """Stop the engine; a server it attached to keeps running, resumed if this role
+        had paused it (left as it was found)."""
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        try:
+            if self._asleep:
+                await engine.resume()
+        finally:
+            await engine.aclose()
+
+    async def sleep(self) -> None:
+        """Freeze the engine in place (it holds its memory, uses no compute)."""
+        if self.engine is not None:
+            await self.engine.pause("keep")
+            self._asleep = True
+
+    async def wake(self) -> None:
+        """Resume after :meth:`sleep`."""
+        if self.engine is not None:
+            await self.engine.resume()
+            self._asleep = False
+
+    async def run(self) -> None:
+        """Read the engine's load every ``metrics_interval_s`` (a failed read is logged and
+        the last one kept)."""
+        while True:
+            await asyncio.sleep(self.setup.metrics_interval_s)
+            engine = self.engine
+            if engine is None:
+                continue
+            try:
+                self._load = await engine.load()
+            except BackendError as exc:
+                logger.warning("rollout on device %d: load read failed: %s", self.ctx.device, exc)
+
+    # ------------------------------------------------------------------ serving
+
+    async def serve(self, item: GenerationRequest | Sample) -> Sample:
+        """Generate ``item`` (see the module docstring). TypeError for a ``Sample``;
+        BackendError if the engine fails the request."""
+        if not isinstance(item, GenerationRequest):
+            raise TypeError(f"the rollout serves GenerationRequests, not {type(item).__name__}")
+        engine = self.engine
+        if engine is None:
+            raise BackendError(f"rollout on device {self.ctx.device}: serve before start")
+        context = tuple(int(t) for t in unpack_tokens(item.token_ids))
+        request = EngineRequest(
+            request_id=f"{item.sample_id}#{self.ctx.device}.{next(self._ids)}",
+            token_ids=context,
+            max_new_tokens=item.max_new_tokens,
+            temperature=item.temperature,
+            top_p=item.top_p,
+            seed=item.seed,
+            stop_token_ids=self.setup.stop_token_ids,
+            ignore_eos=self.setup.ignore_eos,
+            priority=item.priority,
+        )
+        task = asyncio.ensure_future(engine.generate(request))
+        self._inflight[request.request_id] = task
+        try:
+            output = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await self._abort([request.request_id])
+            raise
+        finally:
+            self._inflight.pop(request.request_id, None)
+        if not output.aborted:
+            self._completed += 1
+        self._prompted += output.prompt_tokens
+        self._cached += output.cached_tokens
+        return self._sample(item, context, output)
+
+    def _sample(
+        self, item: GenerationRequest, context: tuple[int, ...], out: EngineOutput
+    ) -> Sample:
+        versions = [_version(label) for label in out.token_versions()]
+        meta: dict[str, MetaValue] = {
+            **item.metadata,
+            FINISH: out.finish,
+            VERSIONS: encode_versions(versions),
+            CACHED_TOKENS: out.cached_tokens,
+            "device": self.ctx.device,
+        }
+        return Sample(
+            sample_id=item.sample_id,
+            token_ids=pack_tokens(context + out.token_ids),
+            prompt_len=len(context),
+            prompt_id=item.prompt_id,
+            logprobs=pack_floats(out.logprobs),
+            policy_version=versions[-1] if versions else self.version,
+            metadata=meta,
+        )
+
+    async def abort(self) -> None:
+        """Make every pending ``serve`` return its partial output now."""
+        await self._abort(list(self._inflight))
+
+    async def _abort(self, request_ids: Sequence[str]) -> None:
+        engine = self.engine
+        if engine is None:
+            return
+        waiting = {rid: self._inflight[rid] for rid in request_ids if rid in self._inflight}
+        async with asyncio.timeout(_ABORT_DEADLINE_S):
+            while waiting:
+                await asyncio.gather(*(engine.abort(rid) for rid in waiting))
+                await asyncio.wait(waiting.values(), timeout=_ABORT_ROUND_S)
+                waiting = {rid: task for rid, task in waiting.items() if not task.done()}
+
+    def metrics(self) -> RoleMetrics:
+        """The engine's load as last read, and requests finished since the last call."""
+        load = self._load
+        done, self._completed = self._completed, 0
+        hit = self._cached / self._prompted if self._prompted else 0.0
+        if load is None:
+            return RoleMetrics(utilization=0.0, completed=done)
+        return RoleMetrics(
+            utilization=load.utilization,
+            queue_depth=load.waiting,
+            in_flight=max(load.running, len(self._inflight) - load.waiting),
+            completed=done,
+            cache_hit_rate=min(1.0, hit),
+        )
+
+    # ------------------------------------------------------------------ calls
+
+    async def set_weight_version(
+        self, samples: Sequence[Sample], *, version: int
+    ) -> dict[str, MetaValue]:
+        """Label the weights in force ``version``: tokens sampled from now on report it."""
+        if self.engine is None:
+            raise BackendError(f"rollout on device {self.ctx.device}: not started")
+        await self.engine.set_weight_version(str(version))
+        self.version = version
+        return {"version": version}
+
+    def weight_version(self, samples: Sequence[Sample]) -> dict[str, MetaValue]:
+        """The weight version in force (-1 before start)."""
+        return {"version": self.version if self.engine is not None else -1}
+
+
+def _version(label: str) -> int:
+    """dynarl's integer version of an engine's label (-1 for one dynarl did not set)."""
+    return int(label) if label.lstrip("-").isdigit() else -1

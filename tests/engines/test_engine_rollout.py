@@ -1,0 +1,207 @@
+"""The serving role on real vLLM engines: the adapter behind it, then a ``dynarl.Job``.
+
+The adapter (``VLLMEngine``) reports utilization that follows the number of running
+requests up to ``max_num_seqs``, and labels tokens with the weight version it was told.
+The job hosts :class:`EngineRollout` on two devices attached to the session's two
+servers, and a trainer on a third; moving a rollout device to the trainer mid-generation
+drains its engine (abort, partial token ids back, continuation on the other engine):
+every request comes back once, and each resumed one carries the tokens and log-probs an
+uninterrupted greedy run gives, within an fp32 bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from test_vllm_engine import WAIT_S, prompt
+from vllm_support import MAX_NUM_SEQS
+
+from dynarl.backends.serving import EngineRequest, EngineRollout, EngineSetup
+from dynarl.backends.vllm import VLLMClient, VLLMEngine, VLLMServer
+from dynarl.bus import GenerationRequest, Sample, pack_tokens, unpack_floats, unpack_tokens
+from dynarl.runtime import VERSIONS, ComponentSpec, Job, JobConfig, RuntimeConfig, decode_versions
+from dynarl.runtime._worker_protocol import RESUMED
+from dynarl.sched import SchedulerConfig
+from dynarl.testing import TinyTrainer
+
+pytestmark = pytest.mark.engines
+
+LOGPROB_TOL = 1e-3
+"""fp32: the same tokens scored in one prefill or decoded one by one differ by rounding."""
+
+
+def attach(server: VLLMServer) -> VLLMEngine:
+    return VLLMEngine(url=server.url, max_num_seqs=MAX_NUM_SEQS)
+
+
+def long_request(request_id: str, num_tokens: int, seed: int) -> EngineRequest:
+    return EngineRequest(
+        request_id=request_id,
+        token_ids=tuple(prompt(12, seed)),
+        max_new_tokens=num_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+    )
+
+
+def test_utilization_follows_running_requests_up_to_the_limit(vllm_server: VLLMServer) -> None:
+    async def main() -> list[float]:
+        engine = attach(vllm_server)
+        await engine.start()
+        seen = [(await engine.load()).utilization]
+        tasks = []
+        try:
+            for n in range(1, MAX_NUM_SEQS + 2):
+                tasks.append(asyncio.create_task(engine.generate(long_request(f"u{n}", 900, n))))
+                want = min(n, MAX_NUM_SEQS)
+                async with asyncio.timeout(WAIT_S):
+                    while True:
+                        load = await engine.load()
+                        if load.running >= want:
+                            break
+                        await asyncio.sleep(0.02)
+                seen.append(load.utilization)
+        finally:
+            await engine.abort_all()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await engine.aclose()
+        return seen
+
+    seen = asyncio.run(main())
+    # Idle, one of two slots, both, both with one more queued (KV use stays tiny).
+    assert seen == pytest.approx([0.0, 0.5, 1.0, 1.0], abs=0.02)
+
+
+def test_tokens_report_the_weight_version_set(vllm_server: VLLMServer) -> None:
+    async def main() -> tuple[tuple[str, ...], tuple[str, ...]]:
+        engine = attach(vllm_server)
+        await engine.start()
+        try:
+            await engine.set_weight_version("7")
+            first = await engine.generate(long_request("v7", 8, 1))
+            await engine.set_weight_version("8")
+            second = await engine.generate(long_request("v8", 8, 1))
+        finally:
+            await engine.set_weight_version("0")
+            await engine.aclose()
+        assert first.token_ids == second.token_ids  # a label, not new weights
+        return first.token_versions(), second.token_versions()
+
+    assert asyncio.run(main()) == (("7",) * 8, ("8",) * 8)
+
+
+def test_a_rollout_device_moved_mid_generation_loses_nothing(
+    vllm_server: VLLMServer, vllm_server_b: VLLMServer, tmp_path: Path
+) -> None:
+    setup = EngineSetup(
+        urls={"0": vllm_server.url, "1": vllm_server_b.url},
+        max_num_seqs=MAX_NUM_SEQS,
+        metrics_interval_s=0.2,
+    )
+    config = JobConfig(
+        run_dir=str(tmp_path),
+        runtime=RuntimeConfig(scheduler=SchedulerConfig(observe_only=True)),
+    )
+    specs = [
+        # As many in flight per worker as its engine runs: the rest wait in the dispatcher,
+        # so both engines get work.
+        ComponentSpec(
+            role=EngineRollout,
+            devices=(0, 1),
+            options=setup.to_options(),
+            max_inflight=MAX_NUM_SEQS,
+        ),
+        ComponentSpec(role=TinyTrainer, devices=(2,)),
+    ]
+    lengths = [600, 600, 600, 600, 200, 200]
+    requests = [
+        GenerationRequest(
+            sample_id=f"s{i}",
+            token_ids=pack_tokens(prompt(12, 100 + i)),
+            max_new_tokens=length,
+            temperature=0.0,
+        )
+        for i, length in enumerate(lengths)
+    ]
+
+    async def main() -> list[Sample]:
+        async with asyncio.timeout(WAIT_S), Job(specs, config) as job:
+            job.submit("rollout", requests)
+            await generating(vllm_server, vllm_server_b)
+            outcome = await job.move([1], src="rollout", dst="trainer")
+            assert outcome.ok, outcome.reason
+            out = job.output("rollout")
+            return [await out.get(timeout=WAIT_S) for _ in requests]
+
+    samples = asyncio.run(main())
+    assert Counter(s.sample_id for s in samples) == Counter(r.sample_id for r in requests)
+    resumed = [s for s in samples if s.metadata[RESUMED]]
+    assert resumed, "the move aborted nothing: no request was running on device 1"
+    assert all(s.metadata["device"] == 0 for s in resumed)
+    by_id = {r.sample_id: r for r in requests}
+    # The job paused the engines it put to sleep and resumed them when it ended.
+    assert not asyncio.run(paused(vllm_server)) and not asyncio.run(paused(vllm_server_b))
+    reference = asyncio.run(uninterrupted(vllm_server, [by_id[s.sample_id] for s in resumed]))
+    for sample in resumed:
+        request = by_id[sample.sample_id]
+        tokens, logprobs = reference[sample.sample_id]
+        new = unpack_tokens(sample.token_ids)[sample.prompt_len :].tolist()
+        assert sample.prompt_len == len(unpack_tokens(request.token_ids))
+        assert new == tokens, sample.sample_id
+        assert unpack_floats(sample.logprobs) == pytest.approx(logprobs, abs=LOGPROB_TOL)
+        assert decode_versions(str(sample.metadata[VERSIONS])) == [0] * len(new)
+
+
+async def generating(*servers: VLLMServer) -> None:
+    """Return once every server has a request running."""
+    engines = [VLLMEngine(url=server.url) for server in servers]
+    for engine in engines:
+        await engine.start()
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while True:
+                if all([(await engine.load()).running for engine in engines]):
+                    return
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        pytest.fail("the job never had both engines generating at once")
+    finally:
+        for engine in engines:
+            await engine.aclose()
+
+
+async def paused(server: VLLMServer) -> bool:
+    """Whether ``server`` is paused."""
+    async with VLLMClient(server.client_config()) as client:
+        return await client.is_paused()
+
+
+async def uninterrupted(
+    server: VLLMServer, requests: list[GenerationRequest]
+) -> dict[str, tuple[list[int], list[float]]]:
+    """Each request run to its end without a move, greedy."""
+    engine = VLLMEngine(url=server.url, max_num_seqs=MAX_NUM_SEQS)
+    await engine.start()
+    try:
+        outputs = await asyncio.gather(
+            *(
+                engine.generate(
+                    EngineRequest(
+                        request_id=f"ref-{r.sample_id}",
+                        token_ids=tuple(unpack_tokens(r.token_ids).tolist()),
+                        max_new_tokens=r.max_new_tokens,
+                        temperature=0.0,
+                    )
+                )
+                for r in requests
+            )
+        )
+    finally:
+        await engine.aclose()
+    return {
+        r.sample_id: (list(o.token_ids), list(o.logprobs))
+        for r, o in zip(requests, outputs, strict=True)
+    }
