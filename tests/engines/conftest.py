@@ -10,7 +10,7 @@ process group when the session ends; its log stays in the session's temporary di
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -44,12 +44,16 @@ def vllm_servers(
         VLLMServer(server_config(engine_python, tiny_model, tmp_path_factory.mktemp("logs")))
         for _ in range(2)
     )
+
+    async def each(step: Callable[[VLLMServer], Awaitable[None]]) -> None:
+        await asyncio.gather(*(step(server) for server in servers))
+
     loop = asyncio.new_event_loop()
     try:
-        loop.run_until_complete(asyncio.gather(*(server.start() for server in servers)))
+        loop.run_until_complete(each(VLLMServer.start))
         yield servers
     finally:
-        loop.run_until_complete(asyncio.gather(*(server.aclose() for server in servers)))
+        loop.run_until_complete(each(VLLMServer.aclose))
         loop.close()
 
 

@@ -116,7 +116,7 @@ def test_a_rollout_device_moved_mid_generation_loses_nothing(
         ),
         ComponentSpec(role=TinyTrainer, devices=(2,)),
     ]
-    lengths = [600, 600, 600, 600, 200, 200]
+    lengths = [900, 900, 900, 900, 300, 300]
     requests = [
         GenerationRequest(
             sample_id=f"s{i}",
@@ -130,7 +130,7 @@ def test_a_rollout_device_moved_mid_generation_loses_nothing(
     async def main() -> list[Sample]:
         async with asyncio.timeout(WAIT_S), Job(specs, config) as job:
             job.submit("rollout", requests)
-            await generating(vllm_server, vllm_server_b)
+            await freeze_mid_generation(vllm_server_b)
             outcome = await job.move([1], src="rollout", dst="trainer")
             assert outcome.ok, outcome.reason
             out = job.output("rollout")
@@ -155,22 +155,21 @@ def test_a_rollout_device_moved_mid_generation_loses_nothing(
         assert decode_versions(str(sample.metadata[VERSIONS])) == [0] * len(new)
 
 
-async def generating(*servers: VLLMServer) -> None:
-    """Return once every server has a request running."""
-    engines = [VLLMEngine(url=server.url) for server in servers]
-    for engine in engines:
-        await engine.start()
-    try:
-        async with asyncio.timeout(WAIT_S):
-            while True:
-                if all([(await engine.load()).running for engine in engines]):
-                    return
-                await asyncio.sleep(0.05)
-    except TimeoutError:
-        pytest.fail("the job never had both engines generating at once")
-    finally:
-        for engine in engines:
-            await engine.aclose()
+async def freeze_mid_generation(server: VLLMServer) -> None:
+    """Once ``server`` is generating, pause it in place (a warm engine finishes a request in
+    a second or two: frozen, its requests are surely mid-generation when the move comes)."""
+    async with VLLMClient(server.client_config()) as client:
+        before = (await client.load()).generation_tokens
+        try:
+            async with asyncio.timeout(WAIT_S):
+                while True:
+                    load = await client.load()
+                    if load.num_running and load.generation_tokens > before + 16:
+                        await client.pause("keep")
+                        return
+                    await asyncio.sleep(0.01)
+        except TimeoutError:
+            pytest.fail("the job never had device 1's engine generating")
 
 
 async def paused(server: VLLMServer) -> bool:

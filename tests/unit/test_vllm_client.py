@@ -398,6 +398,9 @@ def test_the_launch_command_and_environment_carry_dev_mode_and_the_token_route()
         "2",
         "--num-gpu-blocks-override",
         "16",
+        # The engine side of weight pushes, by default.
+        "--worker-extension-cls",
+        "dynarl.backends.vllm.worker_extension.WeightReceiver",
         "--enforce-eager",
         "--seed",
         "0",
@@ -411,6 +414,9 @@ def test_the_launch_command_and_environment_carry_dev_mode_and_the_token_route()
     }
     assert "--no-enable-prefix-caching" in launch_command(
         VLLMServerConfig(model="m", enable_prefix_caching=False), 1
+    )
+    assert "--worker-extension-cls" not in launch_command(
+        VLLMServerConfig(model="m", worker_extension_cls=None), 1
     )
     with pytest.raises(ValueError, match="max_num_seqs"):
         VLLMServerConfig(model="m", max_num_seqs=0)

@@ -12,6 +12,10 @@ client needs only ``aiohttp``, and vLLM may live in an environment of its own).
   the partial token ids), pause and resume, ``/metrics`` as :class:`VLLMLoad`,
   prefix-cache reset, weight-version labels.
 
+- :class:`WeightPusher` — push a trainer's tensors into running engines over a gloo
+  (NCCL) group that the engines' workers join through
+  :mod:`dynarl.backends.vllm.worker_extension`.
+
 dynarl's priorities run higher first; vLLM's lower first. :class:`GenerateRequest` takes
 dynarl's, and the sign is flipped on the wire in one place (``_wire.vllm_priority``).
 Measured behaviour of the server: ``docs/engines.md``.
@@ -22,6 +26,7 @@ from __future__ import annotations
 from dynarl.backends.vllm._client import VLLMClient, VLLMClientConfig
 from dynarl.backends.vllm._engine import VLLMEngine
 from dynarl.backends.vllm._launcher import VLLMServer, VLLMServerConfig
+from dynarl.backends.vllm._weight_push import PushReport, WeightPusher
 from dynarl.backends.vllm._wire import (
     GenerateRequest,
     GenerateResult,
@@ -35,6 +40,7 @@ __all__ = [
     "GenerateRequest",
     "GenerateResult",
     "PauseMode",
+    "PushReport",
     "SamplingParams",
     "VLLMClient",
     "VLLMClientConfig",
@@ -42,5 +48,6 @@ __all__ = [
     "VLLMLoad",
     "VLLMServer",
     "VLLMServerConfig",
+    "WeightPusher",
     "WeightVersionSpan",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -51,6 +52,10 @@ class _Paused(msgspec.Struct, frozen=True):
 
 class _Success(msgspec.Struct, frozen=True):
     success: bool
+
+
+class _RpcResults(msgspec.Struct, frozen=True):
+    results: list[Any]
 
 
 class _WeightInfo(msgspec.Struct, frozen=True):
@@ -234,3 +239,19 @@ class VLLMClient:
         reply = await self._call("GET", "/weight_info", idempotent=True)
         info: _WeightInfo = decode_reply(reply, _WeightInfo, "vLLM /weight_info")
         return info.weight_version
+
+    async def collective_rpc(
+        self, method: str, args: Sequence[str] = (), *, timeout_s: float | None = None
+    ) -> list[Any]:
+        """Run ``method(*args)`` on every worker of the engine (dev mode; the worker
+        extension's methods, :mod:`dynarl.backends.vllm.worker_extension`); each worker's
+        result. Arguments are strings (vLLM passes nothing else). Never retried past a
+        connection: the method may have run."""
+        if not method:
+            raise ValueError("collective_rpc needs a method name")
+        body = {"method": method, "args": list(args)}
+        reply = await self._call("POST", "/collective_rpc", body=body, timeout_s=timeout_s)
+        if not reply.body:
+            return []
+        results: _RpcResults = decode_reply(reply, _RpcResults, f"vLLM /collective_rpc {method}")
+        return results.results

@@ -23,7 +23,11 @@ from dataclasses import dataclass
 from dynarl.backends._server_process import ManagedServer
 from dynarl.backends.vllm._client import VLLMClient, VLLMClientConfig
 
-__all__ = ["VLLMServer", "VLLMServerConfig", "launch_command", "server_env"]
+__all__ = ["WEIGHT_RECEIVER", "VLLMServer", "VLLMServerConfig", "launch_command", "server_env"]
+
+WEIGHT_RECEIVER = "dynarl.backends.vllm.worker_extension.WeightReceiver"
+"""The worker extension that receives weight pushes (the server's interpreter must be able
+to import dynarl; None in :attr:`VLLMServerConfig.worker_extension_cls` leaves it out)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,7 +53,7 @@ class VLLMServerConfig:
     """``--enable-prefix-caching`` (else ``--no-enable-prefix-caching``)."""
     enforce_eager: bool = False
     """``--enforce-eager`` (no graph capture)."""
-    worker_extension_cls: str | None = None
+    worker_extension_cls: str | None = WEIGHT_RECEIVER
     """``--worker-extension-cls``: a class whose methods ``/collective_rpc`` can call."""
     cpu_kvcache_space_gib: int | None = None
     """``VLLM_CPU_KVCACHE_SPACE`` (CPU build): GiB of KV cache, a whole number."""
