@@ -53,7 +53,7 @@ test: lint $(ENGINES_STAMP)
 test-slow: $(ENGINES_STAMP)
 	$(PYTEST) -m slow
 
-bench: $(STAMP)
+bench: $(ENGINES_STAMP)
 	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
 
 clean:

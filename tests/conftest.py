@@ -29,6 +29,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 # `make test` hands whole files to two xdist processes in collection order, and a long
 # file started last would leave the other process idle at the end.
 _LONGEST_FIRST = (
+    # One xdist process takes every engine test (see pytest_xdist_make_scheduler): first,
+    # so that its servers start, serve and stop while the other process runs other files.
+    "tests/engines/test_engine_rollout.py",
+    "tests/engines/test_vllm_engine.py",
+    "tests/engines/test_weight_push.py",
     "tests/unit/test_sim_validation.py",
     "tests/dist/test_fault_injection.py",
     "tests/dist/test_reference_job.py",

@@ -4,6 +4,7 @@ writes, and the CPU server settings (fixtures in ``tests/engines/conftest.py``).
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,15 @@ ENGINE_PYTHON = os.environ.get("DYNARL_VLLM_PYTHON", sys.executable)
 TINY_LLAMA = Path(__file__).resolve().parents[1] / "dynarl" / "testing" / "_tiny_llama.py"
 MAX_NUM_SEQS = 2
 """Requests the server runs at once; more wait (the priority test queues them)."""
+WAIT_S = 240.0
+"""Bound on waiting for the server to reach a state (a loaded machine is slow, not stuck)."""
+
+
+def prompt(num_tokens: int, seed: int = 0) -> list[int]:
+    """Token ids of the tiny vocabulary without its two special tokens, seeded."""
+    rng = random.Random(seed)
+    return [rng.randrange(0, 380) for _ in range(num_tokens)]
+
 
 _WRITE_MODEL = """
 import importlib.util, sys

@@ -1,10 +1,11 @@
-"""Two real vLLM servers for the session (the second only where a test needs two), on
-the tiny random Llama written here (no hub).
+"""Two real vLLM servers for the engine tests, on the tiny random Llama written here (no
+hub).
 
 vLLM runs in the interpreter named by ``DYNARL_VLLM_PYTHON`` (default: this one), which
 also writes the model. Without vLLM there the tests that need it are skipped, with that
 reason. Each server is started once, on a loop of its own, and stopped with its whole
-process group when the session ends; its log stays in the session's temporary directory.
+process group after the last engine test; its log stays in the session's temporary
+directory.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def tiny_model(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> 
     return write_tiny_llama(engine_python, tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_servers(
     engine_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[VLLMServer, VLLMServer]]:
     """Two running vLLM servers on the same model, started together (each takes half a
-    minute or more), shared by the session's engine tests."""
+    minute or more), shared by the engine tests and stopped after the last of them (an idle
+    server still spends CPU)."""
     servers = tuple(
         VLLMServer(server_config(engine_python, tiny_model, tmp_path_factory.mktemp("logs")))
         for _ in range(2)
@@ -57,13 +59,13 @@ def vllm_servers(
         loop.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_server(vllm_servers: tuple[VLLMServer, VLLMServer]) -> VLLMServer:
     """The first server (most tests need one)."""
     return vllm_servers[0]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_server_b(vllm_servers: tuple[VLLMServer, VLLMServer]) -> VLLMServer:
     """The second server (the tests that move work between engines)."""
     return vllm_servers[1]

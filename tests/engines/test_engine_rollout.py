@@ -16,8 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_vllm_engine import WAIT_S, prompt
-from vllm_support import MAX_NUM_SEQS
+from vllm_support import MAX_NUM_SEQS, WAIT_S, prompt
 
 from dynarl.backends.serving import EngineRequest, EngineRollout, EngineSetup
 from dynarl.backends.vllm import VLLMClient, VLLMEngine, VLLMServer
@@ -204,3 +203,28 @@ async def uninterrupted(
         r.sample_id: (list(o.token_ids), list(o.logprobs))
         for r, o in zip(requests, outputs, strict=True)
     }
+
+
+def test_a_shared_prefix_of_two_blocks_is_served_from_the_cache(vllm_server: VLLMServer) -> None:
+    shared = tuple(prompt(300, seed=42))  # CPU blocks are 128 tokens: two whole blocks
+
+    async def main() -> tuple[int, int, float]:
+        engine = attach(vllm_server)
+        await engine.start()
+        try:
+            before = await engine.load()
+            first = await engine.generate(
+                EngineRequest(request_id="pre-1", token_ids=shared, max_new_tokens=4)
+            )
+            second = await engine.generate(
+                EngineRequest(request_id="pre-2", token_ids=(*shared, 1, 2, 3), max_new_tokens=4)
+            )
+            after = await engine.load()
+        finally:
+            await engine.aclose()
+        hits = after.prefix_hit_tokens - before.prefix_hit_tokens
+        return first.cached_tokens, second.cached_tokens, hits
+
+    first, second, hits = asyncio.run(main())
+    assert (first, second) == (0, 256)
+    assert hits == 256  # the engine's own counter agrees with the per-request figure

@@ -14,16 +14,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine_rollout import long_request
-from vllm_support import MAX_NUM_SEQS
+from vllm_support import MAX_NUM_SEQS, prompt
 
-from dynarl.backends.serving import EngineOutput
+from dynarl.backends.serving import EngineOutput, EngineRequest
 from dynarl.backends.vllm import VLLMEngine, VLLMServer, WeightPusher
 
 pytestmark = pytest.mark.engines
 
 LOGPROB_TOL = 1e-3
 """fp32: vLLM's CPU kernels and this process's eager forward round differently."""
+
+
+def greedy_request(request_id: str, num_tokens: int, seed: int) -> EngineRequest:
+    return EngineRequest(
+        request_id=request_id,
+        token_ids=tuple(prompt(12, seed)),
+        max_new_tokens=num_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+    )
 
 
 def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -58,7 +67,7 @@ def test_a_push_gives_the_pushed_weights_log_probs_and_a_second_restores(
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
     model.load_state_dict(pushed)
     model.eval()
-    request = long_request("push", 24, seed=3)
+    request = greedy_request("push", 24, seed=3)
 
     async def main() -> tuple[EngineOutput, EngineOutput, EngineOutput]:
         engine = VLLMEngine(url=vllm_server.url, max_num_seqs=MAX_NUM_SEQS)
