@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dynarl.backends.serving import EngineRequest
 from dynarl.backends.vllm import VLLMServerConfig
 
 ENGINE_PYTHON = os.environ.get("DYNARL_VLLM_PYTHON", sys.executable)
@@ -75,4 +76,15 @@ def server_config(python: str, model: Path, log_dir: Path) -> VLLMServerConfig:
         env=(("HF_HUB_OFFLINE", "1"),),
         log_dir=str(log_dir),
         startup_timeout_s=600,
+    )
+
+
+def greedy_request(request_id: str, num_tokens: int, seed: int) -> EngineRequest:
+    """A greedy, fixed-length request on a 12-token seeded prompt."""
+    return EngineRequest(
+        request_id=request_id,
+        token_ids=tuple(prompt(12, seed)),
+        max_new_tokens=num_tokens,
+        temperature=0.0,
+        ignore_eos=True,
     )

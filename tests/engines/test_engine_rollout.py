@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from vllm_support import MAX_NUM_SEQS, WAIT_S, prompt
+from vllm_support import MAX_NUM_SEQS, WAIT_S, greedy_request, prompt
 
 from dynarl.backends.serving import EngineRequest, EngineRollout, EngineSetup
 from dynarl.backends.vllm import VLLMClient, VLLMEngine, VLLMServer
@@ -36,16 +36,6 @@ def attach(server: VLLMServer) -> VLLMEngine:
     return VLLMEngine(url=server.url, max_num_seqs=MAX_NUM_SEQS)
 
 
-def long_request(request_id: str, num_tokens: int, seed: int) -> EngineRequest:
-    return EngineRequest(
-        request_id=request_id,
-        token_ids=tuple(prompt(12, seed)),
-        max_new_tokens=num_tokens,
-        temperature=0.0,
-        ignore_eos=True,
-    )
-
-
 def test_utilization_follows_running_requests_up_to_the_limit(vllm_server: VLLMServer) -> None:
     async def main() -> list[float]:
         engine = attach(vllm_server)
@@ -54,7 +44,7 @@ def test_utilization_follows_running_requests_up_to_the_limit(vllm_server: VLLMS
         tasks = []
         try:
             for n in range(1, MAX_NUM_SEQS + 2):
-                tasks.append(asyncio.create_task(engine.generate(long_request(f"u{n}", 900, n))))
+                tasks.append(asyncio.create_task(engine.generate(greedy_request(f"u{n}", 900, n))))
                 want = min(n, MAX_NUM_SEQS)
                 async with asyncio.timeout(WAIT_S):
                     while True:
@@ -80,9 +70,9 @@ def test_tokens_report_the_weight_version_set(vllm_server: VLLMServer) -> None:
         await engine.start()
         try:
             await engine.set_weight_version("7")
-            first = await engine.generate(long_request("v7", 8, 1))
+            first = await engine.generate(greedy_request("v7", 8, 1))
             await engine.set_weight_version("8")
-            second = await engine.generate(long_request("v8", 8, 1))
+            second = await engine.generate(greedy_request("v8", 8, 1))
         finally:
             await engine.set_weight_version("0")
             await engine.aclose()

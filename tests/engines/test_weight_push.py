@@ -14,25 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_support import MAX_NUM_SEQS, prompt
+from vllm_support import MAX_NUM_SEQS, greedy_request
 
-from dynarl.backends.serving import EngineOutput, EngineRequest
+from dynarl.backends.serving import EngineOutput
 from dynarl.backends.vllm import VLLMEngine, VLLMServer, WeightPusher
 
 pytestmark = pytest.mark.engines
 
 LOGPROB_TOL = 1e-3
 """fp32: vLLM's CPU kernels and this process's eager forward round differently."""
-
-
-def greedy_request(request_id: str, num_tokens: int, seed: int) -> EngineRequest:
-    return EngineRequest(
-        request_id=request_id,
-        token_ids=tuple(prompt(12, seed)),
-        max_new_tokens=num_tokens,
-        temperature=0.0,
-        ignore_eos=True,
-    )
 
 
 def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:

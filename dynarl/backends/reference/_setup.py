@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
 import torch
 
+from dynarl.backends._json_option import json_option, read_json_option
 from dynarl.backends.reference._gpt import GPTConfig, check_full_state
 from dynarl.backends.reference._rollout_engine import EngineConfig
 from dynarl.backends.reference._tasks import ChainSumTask, Task, ToolCalcTask
@@ -88,18 +88,12 @@ class ReferenceSetup:
 
     def to_options(self) -> dict[str, MetaValue]:
         """The component options that carry this setup."""
-        return {SETUP_OPTION: msgspec.json.encode(self).decode()}
+        return json_option(SETUP_OPTION, self)
 
     @classmethod
     def from_options(cls, options: Mapping[str, MetaValue]) -> ReferenceSetup:
         """The setup in a component's options; ValueError if it is missing or malformed."""
-        text = options.get(SETUP_OPTION)
-        if not isinstance(text, str):
-            raise ValueError(f"component options lack a {SETUP_OPTION!r} JSON text")
-        try:
-            return msgspec.json.decode(text, type=cls)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"bad reference setup: {exc}") from exc
+        return read_json_option(options, SETUP_OPTION, cls, "reference setup")
 
     def make_task(self, *, seed_offset: int = 0) -> Task:
         """The task (``seed_offset`` draws another problem set, e.g. for the warm start)."""

@@ -17,6 +17,7 @@ from typing import Literal
 import msgspec
 
 from dynarl.backends._engine import Engine
+from dynarl.backends._json_option import json_option, read_json_option
 from dynarl.backends.sglang import ClientConfig, SGLangServerConfig, SGLangServerEngine
 from dynarl.backends.vllm import VLLMClientConfig, VLLMEngine, VLLMServerConfig
 from dynarl.bus import MetaValue
@@ -90,18 +91,12 @@ class EngineSetup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     def to_options(self) -> dict[str, MetaValue]:
         """The component options that carry this setup."""
-        return {SETUP_OPTION: msgspec.json.encode(self).decode()}
+        return json_option(SETUP_OPTION, self)
 
     @classmethod
     def from_options(cls, options: Mapping[str, MetaValue]) -> EngineSetup:
         """The setup in a component's options; ValueError naming what is wrong."""
-        text = options.get(SETUP_OPTION)
-        if not isinstance(text, str):
-            raise ValueError(f"component options lack a {SETUP_OPTION!r} JSON text")
-        try:
-            return msgspec.json.decode(text, type=cls)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"bad engine setup: {exc}") from exc
+        return read_json_option(options, SETUP_OPTION, cls, "engine setup")
 
     def build(self, device: int) -> Engine:
         """The engine of ``device`` (constructed, not started); ValueError in attach mode

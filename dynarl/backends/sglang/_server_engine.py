@@ -41,6 +41,7 @@ from dynarl.backends._engine import (
     VersionSpan,
     versions_of,
 )
+from dynarl.backends._server_engine import ServerEngine
 from dynarl.backends.sglang._client import ClientConfig, SGLangClient
 from dynarl.backends.sglang._http_wire import (
     GenerateRequest,
@@ -71,12 +72,13 @@ def wire_rid(request_id: str) -> str:
     return f"{len(request_id)}:{request_id}"
 
 
-class SGLangServerEngine:
+class SGLangServerEngine(ServerEngine[SGLangServer, SGLangClient]):
     """One SGLang server: launched from ``server`` (stopped on :meth:`aclose`), or attached
     at ``url`` (left running). ``client`` sets the client's deadlines, retries and keys
     (default: a launched server's keys, SGLang's client defaults). An async context
     manager: :meth:`start` on entry, :meth:`aclose` on exit."""
 
+    kind = "sglang"
     pause_modes: frozenset[PauseMode] = frozenset(_PAUSE)
 
     def __init__(
@@ -86,63 +88,17 @@ class SGLangServerEngine:
         url: str | None = None,
         client: ClientConfig | None = None,
     ) -> None:
-        if (server is None) == (url is None):
-            raise ValueError(
-                "SGLangServerEngine needs exactly one of server= (launch) or url= (attach)"
-            )
-        self._server = SGLangServer(server) if server is not None else None
-        self._url = url
+        super().__init__(server=SGLangServer(server) if server is not None else None, url=url)
         self._client_config = client
-        self._client: SGLangClient | None = None
-        self.name = f"sglang@{url.removeprefix('http://')}" if url is not None else "sglang"
         self._prompt_tokens = 0
         self._cached_tokens = 0
         self._retractions = 0
 
-    async def __aenter__(self) -> SGLangServerEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    @property
-    def server(self) -> SGLangServer | None:
-        """The server this engine launched (None when attached)."""
-        return self._server
-
-    @property
-    def client(self) -> SGLangClient:
-        """The HTTP client (after :meth:`start`)."""
-        if self._client is None:
-            raise RuntimeError(f"engine {self.name} is not started")
-        return self._client
-
-    async def start(self) -> None:
-        """Launch the server and wait for ``/health`` (BackendError with its log tail if it
-        fails), or attach to ``url``; then open the client."""
-        url = self._url
+    def _open_client(self, url: str) -> SGLangClient:
         base = self._client_config
-        if self._server is not None:
-            await self._server.start()
-            url = self._server.url
-            base = base or self._server.client_config()
-        assert url is not None
-        self.name = f"sglang@{url.removeprefix('http://')}"
-        self._client = SGLangClient(replace(base or ClientConfig(base_url=url), base_url=url))
-        logger.info("engine %s ready", self.name)
-
-    async def aclose(self) -> None:
-        """Close the client and stop a launched server (idempotent)."""
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-        if self._server is not None:
-            await self._server.aclose()
-
-    async def health(self) -> bool:
-        """Whether ``/health`` answers 200."""
-        return await self.client.health()
+        if base is None and self._server is not None:
+            base = self._server.client_config()
+        return SGLangClient(replace(base or ClientConfig(base_url=url), base_url=url))
 
     async def generate(self, request: EngineRequest) -> EngineOutput:
         """Run ``request`` (an abort returns its partial output); BackendError naming the

@@ -9,7 +9,6 @@ use and running requests over ``max_num_seqs``. Runs on the caller's event loop.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 
 from dynarl.backends._engine import (
@@ -19,6 +18,7 @@ from dynarl.backends._engine import (
     PauseMode,
     VersionSpan,
 )
+from dynarl.backends._server_engine import ServerEngine
 from dynarl.backends.vllm._client import VLLMClient, VLLMClientConfig
 from dynarl.backends.vllm._launcher import VLLMServer, VLLMServerConfig
 from dynarl.backends.vllm._wire import GenerateRequest, GenerateResult, SamplingParams
@@ -26,16 +26,15 @@ from dynarl.errors import BackendError
 
 __all__ = ["VLLM_DEFAULT_MAX_NUM_SEQS", "VLLMEngine"]
 
-logger = logging.getLogger(__name__)
-
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
 """vLLM 0.32's ``--max-num-seqs`` when none is given."""
 
 
-class VLLMEngine:
+class VLLMEngine(ServerEngine[VLLMServer, VLLMClient]):
     """One vLLM server: launched from ``server`` (stopped on :meth:`aclose`), or attached
     at ``url`` (left running). ``client`` overrides the client's deadlines and retries."""
 
+    kind = "vllm"
     pause_modes: frozenset[PauseMode] = frozenset({"keep", "abort", "wait"})
 
     def __init__(
@@ -46,52 +45,14 @@ class VLLMEngine:
         max_num_seqs: int | None = None,
         client: VLLMClientConfig | None = None,
     ) -> None:
-        if (server is None) == (url is None):
-            raise ValueError("VLLMEngine needs exactly one of server= (launch) or url= (attach)")
-        self._server = VLLMServer(server) if server is not None else None
-        self._url = url
+        super().__init__(server=VLLMServer(server) if server is not None else None, url=url)
         limit = max_num_seqs or (server.max_num_seqs if server is not None else None)
         self.max_num_seqs = limit or VLLM_DEFAULT_MAX_NUM_SEQS
         self._client_config = client
-        self._client: VLLMClient | None = None
-        self.name = f"vllm@{url}" if url is not None else "vllm"
 
-    @property
-    def server(self) -> VLLMServer | None:
-        """The server this engine launched (None when attached)."""
-        return self._server
-
-    @property
-    def client(self) -> VLLMClient:
-        """The HTTP client (after :meth:`start`)."""
-        if self._client is None:
-            raise RuntimeError(f"engine {self.name} is not started")
-        return self._client
-
-    async def start(self) -> None:
-        """Launch the server and wait for ``/health`` (BackendError with its log tail if it
-        fails), or attach to ``url``; then open the client."""
-        url = self._url
-        if self._server is not None:
-            await self._server.start()
-            url = self._server.url
-        assert url is not None
-        self.name = f"vllm@{url.removeprefix('http://')}"
+    def _open_client(self, url: str) -> VLLMClient:
         base = self._client_config or VLLMClientConfig(base_url=url)
-        self._client = VLLMClient(replace(base, base_url=url))
-        logger.info("engine %s ready", self.name)
-
-    async def aclose(self) -> None:
-        """Close the client and stop a launched server (idempotent)."""
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-        if self._server is not None:
-            await self._server.aclose()
-
-    async def health(self) -> bool:
-        """Whether ``/health`` answers 200."""
-        return await self.client.health()
+        return VLLMClient(replace(base, base_url=url))
 
     async def generate(self, request: EngineRequest) -> EngineOutput:
         """Run ``request`` (an abort returns its partial output)."""
