@@ -10,7 +10,9 @@ of its endpoints are idempotent. The rule:
 - any other status outside ``ok`` raises at once.
 
 Failures raise :class:`~dynarl.errors.BackendError` naming the engine, method and path.
-Runs on the caller's event loop.
+:class:`HttpClientConfig` and :class:`HttpClient` are what every engine client shares: how
+it reaches its server (address, key, deadlines, retries) and its connection pool. Runs on
+the caller's event loop.
 """
 
 from __future__ import annotations
@@ -18,15 +20,23 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Literal, Self
 
 import aiohttp
 import msgspec
 
 from dynarl.errors import BackendError
 
-__all__ = ["Method", "Reply", "RetryPolicy", "call", "decode_reply"]
+__all__ = [
+    "HttpClient",
+    "HttpClientConfig",
+    "Method",
+    "Reply",
+    "RetryPolicy",
+    "call",
+    "decode_reply",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -108,3 +118,107 @@ def decode_reply(reply: Reply, kind: type[Any], what: str) -> Any:
         return msgspec.json.decode(reply.body, type=kind)
     except msgspec.DecodeError as exc:
         raise BackendError(f"{what}: unreadable reply {reply.body[:200]!r}: {exc}") from exc
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HttpClientConfig:
+    """How an engine client reaches its server (each engine's config adds its own keys)."""
+
+    base_url: str
+    """Server root, e.g. ``http://127.0.0.1:8000``."""
+    api_key: str | None = None
+    """The server's ``--api-key``, sent as a bearer token."""
+    connect_timeout_s: float = 5.0
+    """Deadline for opening a connection."""
+    timeout_s: float = 30.0
+    """Deadline for a control call."""
+    generate_timeout_s: float = 3600.0
+    """Deadline for one generation (a long rollout can take many minutes)."""
+    num_attempts: int = 3
+    """Attempts per call, counting the first (see the module docstring for which retry)."""
+    backoff_s: float = 0.05
+    """First retry delay; doubles per attempt."""
+    max_backoff_s: float = 1.0
+    """Cap on the retry delay."""
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.name.endswith("timeout_s") and not value > 0:
+                raise ValueError(f"{name}.{field.name} must be > 0, got {value}")
+        if self.num_attempts < 1:
+            raise ValueError(f"{name}.num_attempts must be >= 1, got {self.num_attempts}")
+        if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"{name} needs 0 <= backoff_s <= max_backoff_s")
+
+
+class HttpClient:
+    """An engine client's connection pool and its one way to call the server; an async
+    context manager (``aclose()`` on exit). Constructing it does no I/O."""
+
+    engine: ClassVar[str]
+    """The engine's name in errors (``"vLLM"``)."""
+
+    def __init__(self, config: HttpClientConfig) -> None:
+        self.config = config
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(base_url=self.config.base_url.rstrip("/") + "/")
+        return self._session
+
+    def _headers(self, admin: bool) -> dict[str, str]:
+        """The bearer token of a call (``admin``: an admin endpoint, where an engine has
+        a key of its own for those)."""
+        key = self.config.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def _call(
+        self,
+        method: Method,
+        path: str,
+        *,
+        body: object | None = None,
+        params: Mapping[str, str] | None = None,
+        admin: bool = False,
+        idempotent: bool = False,
+        timeout_s: float | None = None,
+        ok: Sequence[int] = (200,),
+    ) -> Reply:
+        """One request with retries; raises BackendError unless the status is in ``ok``."""
+        config = self.config
+        return await call(
+            self._http(),
+            method,
+            path,
+            engine=self.engine,
+            policy=RetryPolicy(
+                num_attempts=config.num_attempts,
+                backoff_s=config.backoff_s,
+                max_backoff_s=config.max_backoff_s,
+            ),
+            deadline=aiohttp.ClientTimeout(
+                total=timeout_s or config.timeout_s, connect=config.connect_timeout_s
+            ),
+            body=body,
+            params=params,
+            headers=self._headers(admin),
+            idempotent=idempotent,
+            ok=ok,
+        )

@@ -20,14 +20,14 @@ to judge. Runs on the caller's event loop; not thread-safe.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import msgspec
 
-from dynarl.backends._http import Method, Reply, RetryPolicy, call, decode_reply
+from dynarl.backends._http import HttpClient, HttpClientConfig, Reply, decode_reply
 from dynarl.backends.sglang._http_wire import (
     MEMORY_TAGS,
     ChecksumReply,
@@ -44,114 +44,33 @@ __all__ = ["ClientConfig", "SGLangClient"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ClientConfig:
-    """How a :class:`SGLangClient` reaches its server."""
+class ClientConfig(HttpClientConfig):
+    """How a :class:`SGLangClient` reaches its server (the shared keys of
+    :class:`~dynarl.backends._http.HttpClientConfig`, and SGLang's own)."""
 
-    base_url: str
-    """Server root, e.g. ``http://127.0.0.1:30000``."""
-    api_key: str | None = None
-    """``--api-key`` of the server: sent on normal endpoints (and admin ones without an
-    admin key)."""
     admin_api_key: str | None = None
-    """``--admin-api-key`` of the server: sent on admin endpoints when set."""
-    connect_timeout_s: float = 5.0
-    """Deadline for opening a connection."""
-    timeout_s: float = 30.0
-    """Deadline for a control call (everything but generate and weight updates)."""
-    generate_timeout_s: float = 3600.0
-    """Deadline for one generate call (a long rollout can take many minutes)."""
+    """``--admin-api-key`` of the server: sent on admin endpoints when set (else
+    ``api_key``)."""
     weight_update_timeout_s: float = 1800.0
     """Deadline for weight-update group and broadcast calls."""
-    num_attempts: int = 3
-    """Attempts per call, counting the first (see the module docstring for which retry)."""
-    backoff_s: float = 0.05
-    """First retry delay; doubles per attempt."""
-    max_backoff_s: float = 1.0
-    """Cap on the retry delay."""
-
-    def __post_init__(self) -> None:
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
-        for name in (
-            "connect_timeout_s",
-            "timeout_s",
-            "generate_timeout_s",
-            "weight_update_timeout_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ClientConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.num_attempts < 1:
-            raise ValueError(f"ClientConfig.num_attempts must be >= 1, got {self.num_attempts}")
-        if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
-            raise ValueError("ClientConfig needs 0 <= backoff_s <= max_backoff_s")
 
 
-class SGLangClient:
+class SGLangClient(HttpClient):
     """Typed calls to one SGLang server; an async context manager (``aclose()`` on exit).
 
     Runs on the event loop that first uses it.
     """
 
+    engine = "SGLang"
+    config: ClientConfig
+
     def __init__(self, config: ClientConfig) -> None:
-        self.config = config
-        self._session: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> SGLangClient:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the connection pool."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(base_url=self.config.base_url.rstrip("/") + "/")
-        return self._session
+        super().__init__(config)
 
     def _headers(self, admin: bool) -> dict[str, str]:
         key = self.config.admin_api_key if admin and self.config.admin_api_key else None
         key = key or self.config.api_key
         return {"Authorization": f"Bearer {key}"} if key else {}
-
-    # ------------------------------------------------------------------ transport
-
-    async def _call(
-        self,
-        method: Method,
-        path: str,
-        *,
-        body: object | None = None,
-        params: Mapping[str, str] | None = None,
-        admin: bool = False,
-        idempotent: bool = False,
-        timeout_s: float | None = None,
-        ok: Sequence[int] = (200,),
-    ) -> Reply:
-        """One request with retries; raises BackendError unless the status is in ``ok``."""
-        return await call(
-            self._http(),
-            method,
-            path,
-            engine="SGLang",
-            policy=RetryPolicy(
-                num_attempts=self.config.num_attempts,
-                backoff_s=self.config.backoff_s,
-                max_backoff_s=self.config.max_backoff_s,
-            ),
-            deadline=aiohttp.ClientTimeout(
-                total=timeout_s or self.config.timeout_s, connect=self.config.connect_timeout_s
-            ),
-            body=body,
-            params=params,
-            headers=self._headers(admin),
-            idempotent=idempotent,
-            ok=ok,
-        )
 
     @staticmethod
     def _decode(reply: Reply, kind: type[Any], what: str) -> Any:

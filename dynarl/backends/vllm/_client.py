@@ -17,14 +17,13 @@ loop; not thread-safe.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
 
-from dynarl.backends._http import Method, Reply, RetryPolicy, call, decode_reply
+from dynarl.backends._http import HttpClient, HttpClientConfig, decode_reply
 from dynarl.backends.vllm._wire import (
     GenerateRequest,
     GenerateResult,
@@ -63,93 +62,23 @@ class _WeightInfo(msgspec.Struct, frozen=True):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class VLLMClientConfig:
-    """How a :class:`VLLMClient` reaches its server."""
-
-    base_url: str
-    """Server root, e.g. ``http://127.0.0.1:8000``."""
-    api_key: str | None = None
-    """``--api-key`` of the server, sent as a bearer token."""
-    connect_timeout_s: float = 5.0
-    """Deadline for opening a connection."""
-    timeout_s: float = 30.0
-    """Deadline for a control call."""
-    generate_timeout_s: float = 3600.0
-    """Deadline for one generation, and for a pause that waits for requests to finish."""
-    num_attempts: int = 3
-    """Attempts per call, counting the first (see the module docstring for which retry)."""
-    backoff_s: float = 0.05
-    """First retry delay; doubles per attempt."""
-    max_backoff_s: float = 1.0
-    """Cap on the retry delay."""
-
-    def __post_init__(self) -> None:
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
-        for name in ("connect_timeout_s", "timeout_s", "generate_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"VLLMClientConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.num_attempts < 1:
-            raise ValueError(f"VLLMClientConfig.num_attempts must be >= 1, got {self.num_attempts}")
-        if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
-            raise ValueError("VLLMClientConfig needs 0 <= backoff_s <= max_backoff_s")
+class VLLMClientConfig(HttpClientConfig):
+    """How a :class:`VLLMClient` reaches its server (the keys of
+    :class:`~dynarl.backends._http.HttpClientConfig`; ``generate_timeout_s`` also bounds a
+    pause that waits for requests to finish)."""
 
 
-class VLLMClient:
+class VLLMClient(HttpClient):
     """Typed calls to one vLLM server; an async context manager (``aclose()`` on exit).
 
     Constructing it does no I/O; the connection pool opens on the first call.
     """
 
+    engine = "vLLM"
+    config: VLLMClientConfig
+
     def __init__(self, config: VLLMClientConfig) -> None:
-        self.config = config
-        self._session: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> VLLMClient:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the connection pool."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def _call(
-        self,
-        method: Method,
-        path: str,
-        *,
-        body: object | None = None,
-        params: Mapping[str, str] | None = None,
-        idempotent: bool = False,
-        timeout_s: float | None = None,
-        ok: Sequence[int] = (200,),
-    ) -> Reply:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(base_url=self.config.base_url.rstrip("/") + "/")
-        key = self.config.api_key
-        return await call(
-            self._session,
-            method,
-            path,
-            engine="vLLM",
-            policy=RetryPolicy(
-                num_attempts=self.config.num_attempts,
-                backoff_s=self.config.backoff_s,
-                max_backoff_s=self.config.max_backoff_s,
-            ),
-            deadline=aiohttp.ClientTimeout(
-                total=timeout_s or self.config.timeout_s, connect=self.config.connect_timeout_s
-            ),
-            body=body,
-            params=params,
-            headers={"Authorization": f"Bearer {key}"} if key else None,
-            idempotent=idempotent,
-            ok=ok,
-        )
+        super().__init__(config)
 
     async def health(self) -> bool:
         """Whether ``/health`` answers 200 (503 once the engine has died)."""
