@@ -21,6 +21,7 @@ names apart from its text.
      │    └── WorkerLostError      a worker process died outside a migration
      ├── IntegrityError            durable state on disk (journal, checkpoint) failed verification
      └── BackendError              an engine or trainer backend (SGLang, Megatron) misbehaved
+          └── EngineLostError      a role's engine process died: its worker leaves the job
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "ConfigValueError",
     "DeadlineExceeded",
     "DynarlError",
+    "EngineLostError",
     "IntegrityError",
     "LeaseExpiredError",
     "MigrationAborted",
@@ -129,6 +131,15 @@ class IntegrityError(DynarlError):
 
 class BackendError(DynarlError):
     """An engine or trainer backend (SGLang, Megatron) misbehaved."""
+
+
+class EngineLostError(BackendError):
+    """The engine process a role drives died (killed, crashed, out of memory).
+
+    A role raises it from ``serve`` or ``run``; the worker hosting the role then leaves the
+    job, which treats its device as lost (the in-flight work continues on other workers,
+    the device is reclaimed), since a worker without its engine can serve nothing.
+    """
 
 
 class ConfigValueError(ValueError):

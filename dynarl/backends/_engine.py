@@ -200,6 +200,12 @@ class Engine(Protocol):
     pause_modes: frozenset[PauseMode]
     """The pause modes this engine has."""
 
+    @property
+    def exit_cause(self) -> str | None:
+        """How the engine's process ended on its own, if it did and the adapter can see it
+        (``"killed by SIGKILL"``); None while it runs or when it cannot be watched."""
+        ...
+
     async def start(self) -> None:
         """Launch the server (or attach to a running one) and wait until it is healthy."""
         ...

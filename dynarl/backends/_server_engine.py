@@ -88,6 +88,13 @@ class ServerEngine(Generic[S, C]):
         if self._server is not None:
             await self._server.aclose()
 
+    @property
+    def exit_cause(self) -> str | None:
+        """How a server this engine launched ended on its own (``"killed by SIGKILL"``);
+        None while it runs, and always for an attached server (its process is not ours to
+        watch)."""
+        return self._server.exit_cause if self._server is not None else None
+
     async def health(self) -> bool:
         """Whether the server's health check answers 200."""
         return await self.client.health()

@@ -92,6 +92,15 @@ class ServerProcess:
         """The server's log file (None once a temporary one is removed)."""
         return self._log_path
 
+    @property
+    def exit_cause(self) -> str | None:
+        """How the server ended on its own (``"killed by SIGKILL"``, ``"exited with status
+        1"``); None while it runs, before it starts and after :meth:`aclose`."""
+        process = self._process
+        if process is None or process.returncode is None:
+            return None
+        return describe_exit(process.returncode)
+
     async def start(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
         """Start ``argv`` with ``env`` added to this process's environment.
 
@@ -137,7 +146,7 @@ class ServerProcess:
                 while True:
                     if process.returncode is not None:
                         raise BackendError(
-                            f"{self.engine} server exited with {process.returncode} during "
+                            f"{self.engine} server {describe_exit(process.returncode)} during "
                             f"start-up; log tail:\n{self.log_tail()}"
                         )
                     with contextlib.suppress(BackendError):
@@ -181,6 +190,15 @@ class ServerProcess:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._log_path)
             self._log_path = None
+
+
+def describe_exit(returncode: int) -> str:
+    """``"killed by SIGKILL"`` for -9, ``"exited with status 1"`` for 1."""
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-returncode).name}"
+        return f"killed by signal {-returncode}"
+    return f"exited with status {returncode}"
 
 
 def _signal_group(pgid: int, signum: signal.Signals) -> None:
@@ -244,6 +262,11 @@ class ManagedServer:
     def log_path(self) -> str | None:
         """The server's log file, while it runs."""
         return self._process.log_path if self._process is not None else None
+
+    @property
+    def exit_cause(self) -> str | None:
+        """How the server ended on its own, if it did (see :attr:`ServerProcess.exit_cause`)."""
+        return self._process.exit_cause if self._process is not None else None
 
     async def __aenter__(self) -> Self:
         await self.start()

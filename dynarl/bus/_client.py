@@ -94,6 +94,8 @@ class BusClient(Endpoint, AsyncResource):
         self._link: DealerLink | None = None
         self.welcome: Welcome | None = None
         """The server's answer to registration (None before)."""
+        self.leave_reason = ""
+        """Why this client leaves, sent in its ``Unregister`` ("closed" when empty)."""
         self.route(Heartbeat, _ignore)
 
     # ------------------------------------------------------------------ lifecycle
@@ -148,7 +150,7 @@ class BusClient(Endpoint, AsyncResource):
     async def _leave(self) -> None:
         """Say ``Unregister`` (once registered), fail pending requests, cancel handlers."""
         if self.welcome is not None:
-            self._notify(self._server, Unregister(reason="closed"))
+            self._notify(self._server, Unregister(reason=self.leave_reason or "closed"))
         await self._stop([self._server])
 
     async def _close_link(self, link: DealerLink) -> None:

@@ -378,6 +378,8 @@ class PeerEvent(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Wall-clock time (UNIX seconds)."""
     role: str = ""
     """The peer's declared role."""
+    reason: str = ""
+    """Why a peer that left did (its ``Unregister`` reason; "" for other events)."""
 
 
 ControlMessage = (

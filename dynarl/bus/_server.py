@@ -209,16 +209,19 @@ class BusServer(Endpoint, AsyncResource):
         logger.info("%s: peer %r registered (role %r)", self.name, peer.name, message.role)
         self._emit(peer, "registered")
 
-    def _drop(self, peer: Peer, event: str, why: str) -> None:
+    def _drop(self, peer: Peer, event: str, why: str, *, reason: str = "") -> None:
         self._peers.remove(peer)
         self._lose(peer, PeerLostError(peer.name, why))
-        self._emit(peer, event)
+        self._emit(peer, event, reason=reason)
 
-    def _emit(self, peer: Peer, event: str) -> None:
+    def _emit(self, peer: Peer, event: str, *, reason: str = "") -> None:
         if self._on_peer is None:
             return
         try:
-            self._on_peer(PeerEvent(peer=peer.name, event=event, time=time.time(), role=peer.role))
+            event_message = PeerEvent(
+                peer=peer.name, event=event, time=time.time(), role=peer.role, reason=reason
+            )
+            self._on_peer(event_message)
         except Exception:  # a callback's failure must not stop the receive loop
             logger.exception("%s: on_peer callback failed", self.name)
 
@@ -245,7 +248,7 @@ class BusServer(Endpoint, AsyncResource):
 
     def _unregister(self, message: Unregister, peer: Peer) -> None:
         logger.info("%s: peer %r left (%s)", self.name, peer.name, message.reason or "no reason")
-        self._drop(peer, "left", f"peer {peer.name!r} left")
+        self._drop(peer, "left", f"peer {peer.name!r} left", reason=message.reason)
 
     async def _channel_put(self, message: ChannelPut, peer: Peer) -> Ack:
         await self.channels.channel_put(

@@ -142,7 +142,8 @@ class RuntimeConfig:
     report_interval_s: float = 1.0
     """Seconds between two ComponentReports of one manager."""
     start_timeout_s: float = 180.0
-    """Deadline for every worker to register at start-up, seconds."""
+    """Deadline for every worker to register at start-up, and for a role to become active
+    on a device (starting it may launch an engine server there), seconds."""
     request_timeout_s: float = 60.0
     """Deadline of a control request to a worker (activate, call, a migration step)."""
     item_timeout_s: float = 600.0

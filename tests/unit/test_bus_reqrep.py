@@ -94,6 +94,21 @@ def test_register_ping_and_settings(transport: str) -> None:
     drive(main())
 
 
+def test_a_client_that_leaves_says_why() -> None:
+    events: list[PeerEvent] = []
+
+    async def main() -> None:
+        async with BusServer(address("mem"), config=FAST, on_peer=events.append) as server:
+            async with BusClient(server.address, name="w0", config=FAST) as plain:
+                assert plain.leave_reason == ""
+            async with BusClient(server.address, name="w1", config=FAST) as told:
+                told.leave_reason = "its engine died"
+
+    drive(main())
+    left = {event.peer: event.reason for event in events if event.event == "left"}
+    assert left == {"w0": "closed", "w1": "its engine died"}
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_deadline_fails_the_caller_and_cancels_the_remote_handler(transport: str) -> None:
     async def main() -> None:

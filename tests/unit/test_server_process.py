@@ -113,3 +113,25 @@ def test_it_refuses_to_start_twice_and_reports_what_cannot_run(tmp_path: Path) -
         assert server.pid is None
 
     asyncio.run(main())
+
+
+def test_it_says_how_a_server_ended_on_its_own(tmp_path: Path) -> None:
+    async def ended(argv: list[str], *, kill: bool) -> list[str | None]:
+        server = ServerProcess("Stub", log_path=str(tmp_path / "log"))
+        await server.start(argv)
+        seen = [server.exit_cause]
+        assert server.pid is not None
+        if kill:
+            os.killpg(server.pid, signal.SIGKILL)
+        for _ in range(int(WAIT_S / 0.02)):  # bounded polling, as the role polls it
+            if server.exit_cause is not None:
+                break
+            await asyncio.sleep(0.02)
+        seen.append(server.exit_cause)
+        await server.aclose()
+        return [*seen, server.exit_cause]
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    failing = [sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(7)"]
+    assert asyncio.run(ended(sleeper, kill=True)) == [None, "killed by SIGKILL", None]
+    assert asyncio.run(ended(failing, kill=False)) == [None, "exited with status 7", None]

@@ -88,7 +88,7 @@ def test_a_server_that_exits_during_startup_is_reported() -> None:
     )
 
     async def main() -> None:
-        with pytest.raises(BackendError, match="exited with 1 during start-up"):
+        with pytest.raises(BackendError, match="exited with status 1 during start-up"):
             await SGLangServer(config).start()
 
     asyncio.run(main())

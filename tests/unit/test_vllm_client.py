@@ -434,7 +434,8 @@ def test_a_server_that_cannot_start_names_vllm_and_keeps_its_log(tmp_path: Path)
 
     async def main() -> None:
         with pytest.raises(
-            BackendError, match=r"(?s)vLLM server exited with 1 during start-up.*No module named"
+            BackendError,
+            match=r"(?s)vLLM server exited with status 1 during start-up.*No module named",
         ):
             await server.start()
 

@@ -19,6 +19,12 @@ runtime drives it as it drives the reference engine:
 - ``set_weight_version(version=N)`` (a call) labels the weights in force, so later tokens
   report ``N``; the trainer's push is the production job's.
 
+An engine that dies under the role (killed, crashed: a server this role launched exits)
+raises :class:`~dynarl.errors.EngineLostError` from ``serve`` and ``run``; the worker then
+leaves the job, which treats the device as lost: its requests continue on the other
+engines and the device is reclaimed. A server the role attached to is not its to watch;
+its failures stay BackendErrors on the requests.
+
 Runs on the worker's event loop; no compute thread is needed (the engine is another
 process).
 """
@@ -41,7 +47,7 @@ from dynarl.bus import (
     pack_tokens,
     unpack_tokens,
 )
-from dynarl.errors import BackendError
+from dynarl.errors import BackendError, EngineLostError
 from dynarl.runtime import FINISH, VERSIONS, encode_versions
 from dynarl.runtime.worker import RoleContext, RoleMetrics
 from dynarl.types import ComponentKind
@@ -116,16 +122,25 @@ class EngineRollout(WorkerGroup, kind=ComponentKind.ROLLOUT, name="rollout"):
 
     async def run(self) -> None:
         """Read the engine's load every ``metrics_interval_s`` (a failed read is logged and
-        the last one kept)."""
+        the last one kept); EngineLostError once the engine has died."""
         while True:
             await asyncio.sleep(self.setup.metrics_interval_s)
             engine = self.engine
             if engine is None:
                 continue
+            self._raise_if_lost(engine, None)
             try:
                 self._load = await engine.load()
             except BackendError as exc:
+                self._raise_if_lost(engine, exc)
                 logger.warning("rollout on device %d: load read failed: %s", self.ctx.device, exc)
+
+    def _raise_if_lost(self, engine: Engine, exc: BackendError | None) -> None:
+        cause = engine.exit_cause
+        if cause is not None:
+            raise EngineLostError(
+                f"rollout on device {self.ctx.device}: engine {engine.name} {cause}"
+            ) from exc
 
     # ------------------------------------------------------------------ serving
 
@@ -155,6 +170,9 @@ class EngineRollout(WorkerGroup, kind=ComponentKind.ROLLOUT, name="rollout"):
             output = await asyncio.shield(task)
         except asyncio.CancelledError:
             await self._abort([request.request_id])
+            raise
+        except BackendError as exc:
+            self._raise_if_lost(engine, exc)
             raise
         finally:
             self._inflight.pop(request.request_id, None)

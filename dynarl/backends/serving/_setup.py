@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Literal
 
 import msgspec
@@ -43,6 +44,10 @@ class EngineSetup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Device id (as text) → root URL of a running server (attach mode)."""
     python: str = ""
     """Interpreter of the engine's environment (empty: the worker's own)."""
+    module: str = ""
+    """The server's module, run as ``python -m MODULE`` (empty: the engine's own,
+    ``vllm.entrypoints.openai.api_server`` or ``sglang.launch_server``): a site's wrapper,
+    or ``dynarl.testing.sglang_fake`` in tests. It takes the engine's flags."""
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int | None = None
@@ -132,6 +137,8 @@ class EngineSetup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             log_dir=os.path.join(self.log_dir, f"device-{device}") if self.log_dir else None,
             startup_timeout_s=self.startup_timeout_s,
         )
+        if self.module:
+            server = replace(server, module=self.module)
         return VLLMEngine(server=server)
 
     def _sglang(self, device: int, url: str | None) -> Engine:
@@ -162,6 +169,8 @@ class EngineSetup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             log_path=log,
             startup_timeout_s=self.startup_timeout_s,
         )
+        if self.module:
+            server = replace(server, module=self.module)
         return SGLangServerEngine(server=server)
 
 

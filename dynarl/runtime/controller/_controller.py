@@ -396,4 +396,6 @@ class Controller(AsyncResource):
                 link.losses.registered(device, pid=peer.info.pid, host=peer.info.host, kills=kills)
         elif not self._stop.is_set():
             seen = "missed heartbeats" if event.event == "lost" else "left the job"
+            if event.event == "left" and event.reason not in ("", "closed"):
+                seen = f"{seen} ({event.reason})"
             link.losses.suspect(device, cause=seen)

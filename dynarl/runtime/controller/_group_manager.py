@@ -199,9 +199,11 @@ class GroupManager:
         )
 
     async def activate(self, devices: Sequence[int], *, epoch: int = 0) -> None:
-        """Make the role active on ``devices`` (woken, or created and started)."""
+        """Make the role active on ``devices`` (woken, or created and started): within
+        ``start_timeout_s``, as starting a role may launch its engine server."""
         message = self._activate(devices, epoch=epoch, fresh=True)
-        await self._link.ask_all(devices, message, RoleStatus)
+        deadline_s = max(self._config.start_timeout_s, self._config.request_timeout_s)
+        await self._link.ask_all(devices, message, RoleStatus, deadline_s=deadline_s)
 
     async def release(self, devices: Sequence[int]) -> None:
         """Stop the role on ``devices`` (asleep with its state, or torn down; nothing to

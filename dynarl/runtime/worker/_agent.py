@@ -12,8 +12,12 @@ serves, on its event loop:
 Compute runs on the one :class:`~dynarl.runtime.worker.ComputeThread`, so heartbeats and
 commands are always answered. Every ``metrics_interval_s`` the agent sends the active
 role's ``WorkerMetrics`` to the manager endpoint of its component (never to the
-controller's socket). It leaves when told to (``Shutdown``), on SIGTERM, or when the
-controller is lost.
+controller's socket). It leaves when told to (``Shutdown``), on SIGTERM, when the
+controller is lost, or when the active role's engine died
+(:class:`~dynarl.errors.EngineLostError` from its ``serve`` or ``run``): a worker without
+its engine serves nothing, so it leaves, the controller sees the worker gone and its
+in-flight requests continue elsewhere (the one that met the dead engine gets no reply:
+it fails at the controller with the worker's loss, not counted against the item).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from dynarl.bus import (
     Sample,
     WorkerMetrics,
 )
-from dynarl.errors import ProtocolError, WorkerError
+from dynarl.errors import EngineLostError, ProtocolError, WorkerError
 from dynarl.runtime._worker_protocol import (
     FINISH,
     AbortInflight,
@@ -101,6 +105,7 @@ class WorkerAgent:
         self._compute = ComputeThread(f"dynarl-compute-{options.device}")
         self._stop = asyncio.Event()
         self._lost = False
+        self._engine_lost: EngineLostError | None = None
         self._store: Store | None = store
         self._store_lock = threading.Lock()
         self._in_flight = 0
@@ -127,8 +132,16 @@ class WorkerAgent:
         self._lost = True
         self._stop.set()
 
+    def _leave_without_engine(self, exc: EngineLostError) -> None:
+        if self._engine_lost is None:
+            logger.error("worker %d: leaving the job: %s", self.device, exc)
+            self._engine_lost = exc
+            self._client.leave_reason = f"its engine died: {exc}"
+        self._stop.set()
+
     async def run(self) -> int:
-        """Serve until shutdown; returns the exit status (1 if the controller was lost).
+        """Serve until shutdown; returns the exit status (1 if the controller was lost, 3
+        if the active role's engine died).
 
         Raises DeadlineExceeded or ProtocolError if registration fails.
         """
@@ -137,7 +150,9 @@ class WorkerAgent:
             loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         try:
             async with asyncio.TaskGroup() as group:
-                self._host = RoleHost(self.device, group, self._context)
+                self._host = RoleHost(
+                    self.device, group, self._context, on_engine_lost=self._leave_without_engine
+                )
                 self._ranks = RankMigrations(
                     device=self.device,
                     host=self._host,
@@ -156,6 +171,8 @@ class WorkerAgent:
         finally:
             self._compute.close()
         logger.info("worker %d: left the job", self.device)
+        if self._engine_lost is not None:
+            return 3
         return 1 if self._lost else 0
 
     # ------------------------------------------------------------------ context
@@ -238,6 +255,10 @@ class WorkerAgent:
         self._in_flight += 1
         try:
             result = await role.serve(item)
+        except EngineLostError as exc:
+            self._leave_without_engine(exc)
+            await asyncio.Event().wait()  # no reply: cancelled as the worker leaves
+            raise
         finally:
             self._in_flight -= 1
         if result.metadata.get(FINISH) != "abort":

@@ -4,6 +4,8 @@ Activating a component stops the active role first (``interrupt()``, a serving r
 ``abort()``, its ``run()`` cancelled, ``sleep()``) and then wakes the component's
 instance, or creates it (and calls ``start()`` unless it joins by migration). A stopped
 role stays asleep with its state until it is activated again or torn down (``close()``).
+A role whose ``run()`` raises :class:`~dynarl.errors.EngineLostError` has lost what it
+runs on: the host calls ``on_engine_lost`` (the agent leaves the job).
 Every operation is idempotent. Runs on the worker's event loop; role tasks live in the
 agent's task group.
 """
@@ -16,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dynarl.bus import WorkerGroup
-from dynarl.errors import WorkerError
+from dynarl.errors import EngineLostError, WorkerError
 from dynarl.runtime._worker_protocol import Activate, RoleStatus
 from dynarl.runtime.worker._role import RoleContext, Serving, load_role_class, overrides_run
 
@@ -30,8 +32,16 @@ ContextFactory = Callable[[Activate], RoleContext]
 class RoleHost:
     """Role instances of one worker (see the module docstring)."""
 
-    def __init__(self, device: int, group: asyncio.TaskGroup, context: ContextFactory) -> None:
+    def __init__(
+        self,
+        device: int,
+        group: asyncio.TaskGroup,
+        context: ContextFactory,
+        *,
+        on_engine_lost: Callable[[EngineLostError], None] | None = None,
+    ) -> None:
         self.device = device
+        self._on_engine_lost = on_engine_lost
         self._group = group
         self._context = context
         self._roles: dict[str, WorkerGroup] = {}
@@ -151,6 +161,10 @@ class RoleHost:
             await role.run()
         except asyncio.CancelledError:
             raise
+        except EngineLostError as exc:
+            logger.error("worker %d: %s lost its engine: %s", self.device, name, exc)
+            if self._on_engine_lost is not None:
+                self._on_engine_lost(exc)
         except Exception:  # the task's boundary: the role stops, the worker stays
             logger.exception("worker %d: %s.run() failed", self.device, name)
 
