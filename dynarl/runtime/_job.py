@@ -38,7 +38,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import logging
+import os
 import secrets
 import sys
 import tempfile
@@ -50,6 +52,7 @@ from pathlib import Path
 from dynarl._resource import AsyncResource, stage
 from dynarl.bus import Channel, MetaValue, Sample
 from dynarl.errors import IntegrityError, WorkerError
+from dynarl.runtime._cores import CoreClock, CoreUsage, pinned_cores
 from dynarl.runtime._faults import FaultInjector
 from dynarl.runtime._graph_check import GraphCheck, check_roles
 from dynarl.runtime._spec import ComponentSpec, RuntimeConfig
@@ -164,6 +167,12 @@ class Job(AsyncResource):
             log_dir=self.run_dir / "workers",
         )
         self._modules = tuple(sorted({spec.role.__module__ for spec in components}))
+        self._cores = (
+            pinned_cores(self.num_devices, os.sched_getaffinity(0))
+            if self.config.runtime.pin_cores
+            else {}
+        )
+        self._core_clock: CoreClock | None = None
         self._ids = itertools.count(1)
         self._iteration = 0
 
@@ -187,6 +196,8 @@ class Job(AsyncResource):
             self.run_dir.mkdir(mode=0o700)
         else:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._core_clock = CoreClock(self._cores)
+        stack.callback(self._write_core_usage)  # runs last: after every worker stopped
         if self.config.durable and self._given_journal is None:
             with stage("journal open", IntegrityError):
                 self.journal = journal = Journal(self.run_dir / "journal", job="dynarl")
@@ -269,6 +280,7 @@ class Job(AsyncResource):
             metrics_interval_s=runtime.metrics_interval_s,
             collective_timeout_s=runtime.collective_timeout_s,
             preload=self._modules,
+            cpus=(self._cores[device],) if self._cores else (),
         )
 
     def _check_alive(self) -> None:
@@ -317,6 +329,27 @@ class Job(AsyncResource):
     def workers(self) -> dict[int, int]:
         """``{device: pid}`` of the worker processes still running."""
         return self._launcher.pids()
+
+    def core_usage(self) -> CoreUsage:
+        """Each CPU core's busy seconds since the job started (every core of this host, the
+        job's and others'), and the core each device is pinned to
+        (``RuntimeConfig.pin_cores``). Written to ``run_dir/cores.json`` when the job ends.
+        RuntimeError before the job starts."""
+        if self._core_clock is None:
+            raise RuntimeError("the job has not started: no core usage yet")
+        return self._core_clock.usage()
+
+    def _write_core_usage(self) -> None:
+        usage = self.core_usage()
+        (self.run_dir / "cores.json").write_text(json.dumps(usage.to_json(), indent=1) + "\n")
+        if self._cores:
+            logger.info(
+                "core busy time: %s",
+                ", ".join(
+                    f"device {d} (core {c}) {usage.busy_s[c]:.1f} s"
+                    for d, c in sorted(self._cores.items())
+                ),
+            )
 
     # ------------------------------------------------------------------ data and calls
 

@@ -170,6 +170,11 @@ class RuntimeConfig:
     port requires the extra; None: no endpoint."""
     metrics_host: str = "127.0.0.1"
     """Address the Prometheus endpoint binds (loopback unless set: it has no authentication)."""
+    pin_cores: bool = False
+    """Each device is one CPU core: device ``d``'s worker, and every process it starts (an
+    engine server), runs on the ``d``-th core this process may use; ``Job.core_usage()``
+    and ``cores.json`` give each core's busy time. A job with more devices than cores is
+    refused."""
     ledger_keep_recent: int = 4096
     """Most recent uncommitted-round and observation records (two per decision round) the
     controller's ledger keeps in memory; older ones are only in ``events.jsonl``."""

@@ -1,5 +1,6 @@
-"""An engine that dies under its serving role: the worker leaves, the job goes on (marker
-``dist``).
+"""Real engine servers under a job's serving role (marker ``dist``): an engine that dies
+takes its worker out and the job goes on; with pinning, each worker and its engine run on
+the worker's own core.
 
 The rollout is :class:`~dynarl.backends.serving.EngineRollout` on devices 0 and 1, each
 launching its own engine server as a process: here the SGLang fake
@@ -9,13 +10,16 @@ start; ``tests/engines/test_engine_faults.py`` does the same with real vLLM serv
 engine gone (``EngineLostError``), leaves the job with status 3, the controller records
 the loss and reclaims the device, and every request continues on device 0: each sample
 delivered exactly once, none failed, each equal to an uninterrupted generation of the same
-request (the fake's tokens are a function of the context). Bounded by timeouts; no timing
+request (the fake's tokens are a function of the context). Pinned (``pin_cores``), the
+workers of devices 0 and 1 and their servers run on this process's first and second core,
+and the job writes each core's busy time to ``cores.json``. Bounded by timeouts; no timing
 is asserted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from pathlib import Path
@@ -121,3 +125,35 @@ def test_a_killed_engine_takes_its_worker_out_and_its_requests_finish_elsewhere(
             assert job.allocation.as_dict()["rollout"] == [0]
 
     asyncio.run(main())
+
+
+def test_a_pinned_job_runs_each_worker_and_its_engine_on_its_own_core(tmp_path: Path) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"pinning two devices needs two cores; this process may use {cores}")
+    specs = [
+        ComponentSpec(role=EngineRollout, devices=(0, 1), options=setup(tmp_path).to_options())
+    ]
+    runtime = RuntimeConfig(scheduler=SchedulerConfig(observe_only=True), pin_cores=True)
+    config = JobConfig(run_dir=str(tmp_path / "run"), runtime=runtime)
+
+    async def main() -> dict[int, tuple[set[int], set[int]]]:
+        async with asyncio.timeout(240), Job(specs, config) as job:
+            job.submit("rollout", requests()[:4])
+            await collect(job, 4)
+            placed = {}
+            for device, pid in job.workers().items():
+                server = engine_server_of(pid)
+                engine = {core for p in [server, *server.children(recursive=True)]
+                          for core in p.cpu_affinity()}  # fmt: skip
+                placed[device] = (os.sched_getaffinity(pid), engine)
+            usage = job.core_usage()
+            assert usage.devices == {0: cores[0], 1: cores[1]}
+            assert set(usage.busy_s) >= set(cores) and usage.wall_s > 0
+            return placed
+
+    placed = asyncio.run(main())
+    assert placed == {0: ({cores[0]}, {cores[0]}), 1: ({cores[1]}, {cores[1]})}
+    written = json.loads((tmp_path / "run" / "cores.json").read_text())
+    assert written["pinned"] == {"0": cores[0], "1": cores[1]}
+    assert {str(c) for c in cores} <= set(written["cores"])

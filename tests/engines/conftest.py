@@ -5,12 +5,16 @@ vLLM runs in the interpreter named by ``DYNARL_VLLM_PYTHON`` (default: this one)
 also writes the model. Without vLLM there the tests that need it are skipped, with that
 reason. Each server is started once, on a loop of its own, and stopped with its whole
 process group after the last engine test; its log stays in the session's temporary
-directory.
+directory. Where this process may use two cores or more, each server runs on one of them
+(the first on the first core, the second on the second: one engine per core, as a pinned
+job runs them); on fewer, both share what there is and the tests oversubscribe it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -42,9 +46,17 @@ def vllm_servers(
     """Two running vLLM servers on the same model, started together (each takes half a
     minute or more), shared by the engine tests and stopped after the last of them (an idle
     server still spends CPU)."""
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = len(cores) >= 2
     servers = tuple(
-        VLLMServer(server_config(engine_python, tiny_model, tmp_path_factory.mktemp("logs")))
-        for _ in range(2)
+        VLLMServer(
+            dataclasses.replace(
+                server_config(engine_python, tiny_model, tmp_path_factory.mktemp("logs")),
+                cpus=(cores[index],) if pinned else (),
+                cpu_omp_threads_bind=None if pinned else "nobind",  # pinned: bound to its core
+            )
+        )
+        for index in range(2)
     )
 
     async def each(step: Callable[[VLLMServer], Awaitable[None]]) -> None:

@@ -86,7 +86,7 @@ class EngineRollout(WorkerGroup, kind=ComponentKind.ROLLOUT, name="rollout"):
     async def start(self) -> None:
         """Start this device's engine (BackendError naming it, with its log tail, if it
         cannot) and label its weights with version 0."""
-        engine = self.setup.build(self.ctx.device)
+        engine = self.setup.build(self.ctx.device, cpus=self.ctx.cpus)
         try:
             await engine.start()
             await engine.set_weight_version(str(self.version))

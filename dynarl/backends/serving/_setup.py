@@ -103,9 +103,11 @@ class EngineSetup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         """The setup in a component's options; ValueError naming what is wrong."""
         return read_json_option(options, SETUP_OPTION, cls, "engine setup")
 
-    def build(self, device: int) -> Engine:
+    def build(self, device: int, *, cpus: tuple[int, ...] = ()) -> Engine:
         """The engine of ``device`` (constructed, not started); ValueError in attach mode
-        when no URL is given for it."""
+        when no URL is given for it. ``cpus``: the cores a launched server runs on, its
+        OpenMP threads one per core unless ``omp_num_threads`` says otherwise (the worker's
+        pinning, ``RuntimeConfig.pin_cores``); an attached server is where it is."""
         url = None
         if self.urls:
             url = self.urls.get(str(device))
@@ -115,10 +117,10 @@ class EngineSetup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                     f"(it has devices {sorted(self.urls, key=int)})"
                 )
         if self.kind == "vllm":
-            return self._vllm(device, url)
-        return self._sglang(device, url)
+            return self._vllm(device, url, cpus)
+        return self._sglang(device, url, cpus)
 
-    def _vllm(self, device: int, url: str | None) -> Engine:
+    def _vllm(self, device: int, url: str | None, cpus: tuple[int, ...]) -> Engine:
         if url is not None:
             client = VLLMClientConfig(base_url=url, generate_timeout_s=self.generate_timeout_s)
             return VLLMEngine(url=url, max_num_seqs=self.max_num_seqs, client=client)
@@ -132,6 +134,7 @@ class EngineSetup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             enforce_eager=self.enforce_eager,
             cpu_kvcache_space_gib=self.cpu_kvcache_space_gib,
             omp_num_threads=self.omp_num_threads,
+            cpus=cpus,
             extra_args=self.extra_args,
             env=tuple(self.env.items()),
             log_dir=os.path.join(self.log_dir, f"device-{device}") if self.log_dir else None,
@@ -141,7 +144,7 @@ class EngineSetup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             server = replace(server, module=self.module)
         return VLLMEngine(server=server)
 
-    def _sglang(self, device: int, url: str | None) -> Engine:
+    def _sglang(self, device: int, url: str | None, cpus: tuple[int, ...]) -> Engine:
         if url is not None:
             client = ClientConfig(base_url=url, generate_timeout_s=self.generate_timeout_s)
             return SGLangServerEngine(url=url, client=client)
@@ -155,8 +158,11 @@ class EngineSetup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             if value is not None:
                 args += [flag, str(value)]
         env = dict(self.env)
-        if self.omp_num_threads is not None:
-            env.setdefault("OMP_NUM_THREADS", str(self.omp_num_threads))
+        threads = self.omp_num_threads or (len(cpus) if cpus else None)
+        if threads is not None:
+            env.setdefault("OMP_NUM_THREADS", str(threads))
+        if cpus:  # SGLang's CPU engine binds its OpenMP threads to this list
+            env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
         log = os.path.join(self.log_dir, f"device-{device}", "sglang.log") if self.log_dir else None
         server = SGLangServerConfig(
             model_path=self.model,
@@ -166,6 +172,7 @@ class EngineSetup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             enable_priority_scheduling=True,
             extra_args=(*args, *self.extra_args),
             env=tuple(env.items()),
+            cpus=cpus,
             log_path=log,
             startup_timeout_s=self.startup_timeout_s,
         )

@@ -51,6 +51,8 @@ class SGLangServerConfig:
     """Module run with ``-m`` (a stand-in server in tests)."""
     env: tuple[tuple[str, str], ...] = ()
     """Environment entries added to the current environment."""
+    cpus: tuple[int, ...] = ()
+    """Cores the server's processes run on (their affinity). Empty: the caller's cores."""
     startup_timeout_s: float = 900.0
     """Deadline for ``/health`` to answer 200 (model loading can take minutes)."""
     health_poll_s: float = 0.5

@@ -61,6 +61,10 @@ class VLLMServerConfig:
     """``VLLM_CPU_OMP_THREADS_BIND`` (CPU build): ``"nobind"``, ``"auto"`` or core ids."""
     omp_num_threads: int | None = None
     """``OMP_NUM_THREADS`` of the server's processes."""
+    cpus: tuple[int, ...] = ()
+    """Cores the server's processes run on (their affinity; the engine's OpenMP threads
+    bound there, one per core, unless ``cpu_omp_threads_bind`` / ``omp_num_threads`` say
+    otherwise). Empty: the caller's cores."""
     extra_args: tuple[str, ...] = ()
     """Further flags, passed as they are."""
     env: tuple[tuple[str, str], ...] = ()
@@ -136,10 +140,14 @@ def launch_command(config: VLLMServerConfig, port: int) -> list[str]:
 def server_env(config: VLLMServerConfig) -> dict[str, str]:
     """The environment entries the server gets on top of the caller's."""
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    cpus = config.cpus
     for key, value in (
         ("VLLM_CPU_KVCACHE_SPACE", config.cpu_kvcache_space_gib),
-        ("VLLM_CPU_OMP_THREADS_BIND", config.cpu_omp_threads_bind),
-        ("OMP_NUM_THREADS", config.omp_num_threads),
+        (
+            "VLLM_CPU_OMP_THREADS_BIND",
+            config.cpu_omp_threads_bind or (",".join(map(str, cpus)) if cpus else None),
+        ),
+        ("OMP_NUM_THREADS", config.omp_num_threads or (len(cpus) if cpus else None)),
     ):
         if value is not None:
             env[key] = str(value)

@@ -188,6 +188,7 @@ class WorkerAgent:
             store=self._get_store,
             backend=self._client,
             shared=self._shared,
+            cpus=self.options.cpus,
         )
 
     def _get_store(self) -> Store:

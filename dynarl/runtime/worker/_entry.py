@@ -27,6 +27,8 @@ def run_worker(options: WorkerOptions) -> int:
 
     Raises DeadlineExceeded or ProtocolError if the controller refuses or never answers.
     """
+    if options.cpus:  # first: torch's threads and every process started later inherit it
+        os.sched_setaffinity(0, options.cpus)
     import torch
 
     torch.set_num_threads(options.num_threads)

@@ -42,6 +42,8 @@ class WorkerOptions:
     """torch intra-op threads (one device per process: one thread)."""
     preload: tuple[str, ...] = ()
     """Modules imported before registering (role modules: heavy imports come first)."""
+    cpus: tuple[int, ...] = ()
+    """Cores this worker and every process it starts run on (empty: not pinned)."""
 
     def __post_init__(self) -> None:
         if not self.controller:
@@ -61,6 +63,8 @@ class WorkerOptions:
                 raise ValueError(f"WorkerOptions.{name} must be positive, got {value!r}")
         if self.num_threads < 1:
             raise ValueError(f"WorkerOptions.num_threads must be >= 1, got {self.num_threads}")
+        if any(core < 0 for core in self.cpus) or len(set(self.cpus)) != len(self.cpus):
+            raise ValueError(f"WorkerOptions.cpus must be distinct core ids >= 0, got {self.cpus}")
 
     def to_args(self) -> list[str]:
         """These options as command-line flags (what :meth:`from_args` reads)."""
@@ -74,6 +78,8 @@ class WorkerOptions:
             f"--collective-timeout={self.collective_timeout_s}",
             f"--threads={self.num_threads}",
         ]
+        if self.cpus:
+            args.append(f"--cpus={','.join(map(str, self.cpus))}")
         return args + [f"--preload={module}" for module in self.preload]
 
     @classmethod
@@ -96,6 +102,7 @@ class WorkerOptions:
         parser.add_argument("--collective-timeout", type=float, default=20.0)
         parser.add_argument("--threads", type=int, default=1)
         parser.add_argument("--preload", action="append", default=[])
+        parser.add_argument("--cpus", default="")
         args = parser.parse_args(list(argv))
         device = args.device if args.device is not None else DistEnv.from_env(env).rank
         host, port = _store_address(args.store)
@@ -110,7 +117,16 @@ class WorkerOptions:
             collective_timeout_s=args.collective_timeout,
             num_threads=args.threads,
             preload=tuple(args.preload),
+            cpus=_cpus(args.cpus),
         )
+
+
+def _cpus(text: str) -> tuple[int, ...]:
+    """``--cpus=0,2``: core ids (ValueError naming the flag when they are not)."""
+    try:
+        return tuple(int(part) for part in text.split(",")) if text else ()
+    except ValueError:
+        raise ValueError(f"--cpus must be core ids separated by commas, got {text!r}") from None
 
 
 def _store_address(text: str) -> tuple[str, int]:

@@ -186,6 +186,7 @@ class RoleContext:
         store: Callable[[], Store],
         backend: ChannelBackend,
         shared: dict[str, Any] | None = None,
+        cpus: tuple[int, ...] = (),
     ) -> None:
         self.component = component
         """The component this role belongs to."""
@@ -200,6 +201,9 @@ class RoleContext:
         self.shared: dict[str, Any] = shared if shared is not None else {}
         """Objects shared by every role of this worker process (one dict per worker): a
         colocated trainer leaves the weights its sleeping rollout engine loads on waking."""
+        self.cpus = cpus
+        """The cores this worker is pinned to (``RuntimeConfig.pin_cores``; empty when not):
+        an engine the role launches runs there too."""
         self._compute = compute
         self._store = store
         self._backend = backend
