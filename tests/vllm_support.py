@@ -79,7 +79,7 @@ def server_config(python: str, model: Path, log_dir: Path) -> VLLMServerConfig:
     )
 
 
-def greedy_request(request_id: str, num_tokens: int, seed: int) -> EngineRequest:
+def greedy_request(request_id: str, num_tokens: int, seed: int, priority: int = 0) -> EngineRequest:
     """A greedy, fixed-length request on a 12-token seeded prompt."""
     return EngineRequest(
         request_id=request_id,
@@ -87,4 +87,5 @@ def greedy_request(request_id: str, num_tokens: int, seed: int) -> EngineRequest
         max_new_tokens=num_tokens,
         temperature=0.0,
         ignore_eos=True,
+        priority=priority,
     )

@@ -247,11 +247,15 @@ class SGLangEngine:
         """Release GPU memory by tag (None: all) once the server is idle.
 
         SGLang's own idleness rule ignores waiting requests while generation is paused in
-        ``retract``/``in_place`` mode, and so does the wait here. Raises BackendError if the
-        server does not become idle in time (nothing is released then).
+        ``retract``/``in_place`` mode, and so does the wait here. A ``retract`` pause returns
+        once the running requests are back in the queue, and while it lasts ``/v1/loads``
+        still shows the last step's figures (sglang 0.5.23, measured): nothing to wait for
+        then. Raises BackendError if the server does not become idle in time (nothing is
+        released then).
         """
         wanted = tuple(tags) if tags is not None else MEMORY_TAGS
-        await self.wait_idle(ignore_waiting=self._paused in ("retract", "in_place"))
+        if self._paused != "retract":
+            await self.wait_idle(ignore_waiting=self._paused == "in_place")
         await self.client.release_memory(list(wanted))
         self._released.update(wanted)
         logger.info("engine %s released %s", self.engine_id, sorted(wanted))

@@ -281,22 +281,33 @@ _KV_USAGE = "vllm:kv_cache_usage_perc"
 def parse_metrics(text: str) -> VLLMLoad:
     """The :class:`VLLMLoad` in a ``/metrics`` reply (Prometheus text format).
 
-    Raises ValueError if a metric it needs is missing or a sample line is malformed.
+    Raises ValueError if a metric it needs is missing or one of its sample lines is
+    malformed. Lines of other metrics are skipped by name, unparsed: a server's reply has
+    hundreds of them, and the role reads it several times a second.
     """
     wanted = {*_SUMMED.values(), _KV_USAGE}
     samples: dict[str, list[float]] = {}
     for line in text.splitlines():
         line = line.strip()
-        if not line or line.startswith("#"):
+        if not line or line.startswith("#") or _name(line) not in wanted:
             continue
         name, value = _sample(line)
-        if name in wanted:
-            samples.setdefault(name, []).append(value)
+        samples.setdefault(name, []).append(value)
     missing = sorted(wanted - samples.keys())
     if missing:
         raise ValueError(f"/metrics lacks {missing}")
     summed = {field: int(sum(samples[name])) for field, name in _SUMMED.items()}
     return VLLMLoad(kv_cache_usage=max(samples[_KV_USAGE]), **summed)
+
+
+def _name(line: str) -> str:
+    """The metric name a sample line starts with (before its labels or value)."""
+    end = len(line)
+    for stop in ("{", " "):
+        found = line.find(stop)
+        if found != -1:
+            end = min(end, found)
+    return line[:end]
 
 
 def _sample(line: str) -> tuple[str, float]:
