@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from vllm_support import MAX_NUM_SEQS, WAIT_S, greedy_request, prompt
 
-from dynarl.backends.serving import EngineRequest, EngineRollout, EngineSetup
+from dynarl.backends.serving import CACHED_TOKENS, EngineRequest, EngineRollout, EngineSetup
 from dynarl.backends.vllm import VLLMClient, VLLMEngine, VLLMServer
 from dynarl.bus import GenerationRequest, Sample, pack_tokens, unpack_floats, unpack_tokens
 from dynarl.runtime import VERSIONS, ComponentSpec, Job, JobConfig, RuntimeConfig, decode_versions
@@ -218,3 +218,69 @@ def test_a_shared_prefix_of_two_blocks_is_served_from_the_cache(vllm_server: VLL
     first, second, hits = asyncio.run(main())
     assert (first, second) == (0, 256)
     assert hits == 256  # the engine's own counter agrees with the per-request figure
+
+
+def test_an_episodes_turns_go_back_to_the_engine_that_holds_its_prefix(
+    vllm_server: VLLMServer, vllm_server_b: VLLMServer, tmp_path: Path
+) -> None:
+    """A multi-turn loop (generate, a tool answers, generate again on the whole episode):
+    each turn goes back to the engine that served the episode, whose prefix cache holds it;
+    once that device leaves the rollout, the episode goes on on the other engine."""
+    setup = EngineSetup(
+        urls={"0": vllm_server.url, "1": vllm_server_b.url},
+        max_num_seqs=MAX_NUM_SEQS,
+        metrics_interval_s=0.2,
+    )
+    config = JobConfig(
+        run_dir=str(tmp_path),
+        runtime=RuntimeConfig(scheduler=SchedulerConfig(observe_only=True)),
+    )
+    specs = [
+        ComponentSpec(role=EngineRollout, devices=(0, 1), options=setup.to_options()),
+        ComponentSpec(role=TinyTrainer, devices=(2,)),
+    ]
+    tool_answer = tuple(prompt(40, 999))
+    # 300 prompt tokens: two whole 128-token blocks to find in the cache on the next turn.
+    contexts = {f"e{i}": tuple(prompt(300, 300 + i)) for i in range(2)}
+    served: dict[str, list[tuple[int, int]]] = {episode: [] for episode in contexts}
+    moved: list[int] = []
+
+    async def main() -> None:
+        async with asyncio.timeout(WAIT_S), Job(specs, config) as job:
+            out = job.output("rollout")
+            for turn in range(3):
+                if turn == 2:  # the device that served e0 leaves the rollout
+                    device = served["e0"][-1][0]
+                    outcome = await job.move([device], src="rollout", dst="trainer")
+                    assert outcome.ok, outcome.reason
+                    moved.append(device)
+                job.submit(
+                    "rollout",
+                    [
+                        GenerationRequest(
+                            sample_id=f"{episode}-turn{turn}",
+                            token_ids=pack_tokens(context),
+                            max_new_tokens=8,
+                            temperature=0.0,
+                            metadata={"episode": episode, "affinity": "prefer", "tool_calls": turn},
+                        )
+                        for episode, context in contexts.items()
+                    ],
+                )
+                for _ in contexts:
+                    sample = await out.get(timeout=WAIT_S)
+                    episode = str(sample.metadata["episode"])
+                    device, cached = sample.metadata["device"], sample.metadata[CACHED_TOKENS]
+                    assert isinstance(device, int) and isinstance(cached, int)
+                    served[episode].append((device, cached))
+                    contexts[episode] = (*unpack_tokens(sample.token_ids).tolist(), *tool_answer)
+
+    asyncio.run(main())
+    (gone,) = moved
+    for episode, turns in served.items():
+        (first, _), (second, cached) = turns[0], turns[1]
+        assert second == first and cached >= 256, (episode, turns)  # back to its prefix
+        assert turns[2][0] != gone, (episode, turns)
+    assert {turns[0][0] for turns in served.values()} == {0, 1}  # one episode per engine
+    stayed = next(e for e, turns in served.items() if turns[0][0] != gone)
+    assert served[stayed][2][0] == served[stayed][0][0] and served[stayed][2][1] >= 256
