@@ -33,7 +33,6 @@ COMMAND = ".venv/bin/python tests/update_public_api.py"
 PUBLIC_MODULES = (
     "dynarl.backends.hf_layout",
     "dynarl.backends.vllm.worker_extension",
-    "dynarl.cli",
     "dynarl.errors",
     "dynarl.plots",
     "dynarl.types",

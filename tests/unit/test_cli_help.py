@@ -18,6 +18,7 @@ import pytest
 from sim_support import small
 
 import dynarl.cli as cli
+import dynarl.cli._simulate as simulate_cli
 from dynarl.sim import dump_workload, with_overrides
 from dynarl.sim.policies import POLICY_NAMES
 
@@ -117,7 +118,7 @@ def test_the_demo_help_states_the_defaults_the_demo_uses() -> None:
 
 
 def test_simulate_help_lists_the_policies(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli._POLICIES == POLICY_NAMES  # what the help lists is what the simulator has
+    assert simulate_cli._POLICIES == POLICY_NAMES  # what the help lists is what the simulator has
     _, out, _ = run(["simulate", "--help"], capsys)
     for name in POLICY_NAMES:
         assert re.search(rf"[ ,]{re.escape(name)}[,) ]", out), name
@@ -160,9 +161,9 @@ def test_an_unknown_sweep_key_lists_the_valid_ones_and_the_closest(
 def test_the_sweep_keys_the_cli_accepts_are_the_simulators() -> None:
     from dynarl.sim._workload_file import SWEEP_ALIASES
 
-    assert cli._SWEEP_ALIASES == SWEEP_ALIASES
+    assert simulate_cli._SWEEP_ALIASES == SWEEP_ALIASES
     workload = small()
-    top, sections = cli._workload_keys()
+    top, sections = simulate_cli._workload_keys()
     for key in top:
         with_overrides(workload, {key: getattr(workload, key)})
     for section, names in sections.items():
@@ -171,9 +172,13 @@ def test_the_sweep_keys_the_cli_accepts_are_the_simulators() -> None:
             continue
         for name in names:
             with_overrides(workload, {f"{section}.{name}": getattr(current, name)})
-    assert cli._sweep_key_problem("u_low") == cli._sweep_key_problem("t_window") == ""
-    assert cli._sweep_key_problem("scheduler.min_move_interval_s") == ""
-    assert cli._sweep_key_problem("notes")  # free text, not a setting
+    assert (
+        simulate_cli._sweep_key_problem("u_low")
+        == simulate_cli._sweep_key_problem("t_window")
+        == ""
+    )
+    assert simulate_cli._sweep_key_problem("scheduler.min_move_interval_s") == ""
+    assert simulate_cli._sweep_key_problem("notes")  # free text, not a setting
 
 
 def test_a_mistyped_command_or_choice_gets_the_closest_valid_one(
