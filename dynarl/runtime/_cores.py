@@ -25,16 +25,20 @@ _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
 idle, iowait, or guest, which user already includes)."""
 
 
-def pinned_cores(num_devices: int, available: Iterable[int]) -> dict[int, int]:
+def pinned_cores(
+    num_devices: int, available: Iterable[int], *, setting: str = "RuntimeConfig.pin_cores"
+) -> dict[int, int]:
     """Device → core: device ``d`` on the ``d``-th of the ``available`` cores (sorted).
 
-    Raises ValueError when there are more devices than cores: a device is one core.
+    Raises ValueError, naming ``setting``, when there are more devices than cores: a device
+    is one core.
     """
     cores = sorted(set(available))
     if num_devices > len(cores):
+        whose = "the job has" if setting.startswith("RuntimeConfig") else "this node has"
         raise ValueError(
-            f"RuntimeConfig.pin_cores: the job has {num_devices} devices but this process may "
-            f"run on {len(cores)} cores ({_ranges(cores)}); with pinning each device is one core"
+            f"{setting}: {whose} {num_devices} devices but this process may run on "
+            f"{len(cores)} cores ({_ranges(cores)}); with pinning each device is one core"
         )
     return {device: cores[device] for device in range(num_devices)}
 

@@ -24,6 +24,7 @@ from dynarl.runtime._cores import (
     process_cpu_seconds,
     read_core_times,
 )
+from dynarl.runtime.launch._torchrun import parse_args
 from dynarl.runtime.worker import WorkerOptions
 from dynarl.testing import TinyTrainer
 
@@ -148,3 +149,26 @@ def test_an_engine_on_given_cores_binds_its_threads_there() -> None:
     assert server.config.cpus == (5,)
     assert dict(server.config.env)["SGLANG_CPU_OMP_THREADS_BIND"] == "5"
     assert dict(server.config.env)["OMP_NUM_THREADS"] == "1"
+
+
+def test_under_torchrun_a_worker_pins_itself_to_its_local_rank_core() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    base = ["--controller=tcp://h:1", "--pin-cores"]
+    if len(cores) < 2:
+        with pytest.raises(ValueError, match="this node has 2 devices but"):
+            WorkerOptions.from_args(base, env)
+        return
+    assert WorkerOptions.from_args(base, env).cpus == (cores[1],)
+    assert WorkerOptions.from_args(base[:1], {**env, "DYNARL_PIN_CORES": "1"}).cpus == (cores[1],)
+    assert WorkerOptions.from_args([*base, "--cpus=0"], env).cpus == (0,)  # told: as told
+    assert WorkerOptions.from_args(base[:1], env).cpus == ()
+    too_many = {**env, "LOCAL_WORLD_SIZE": str(len(cores) + 1)}
+    with pytest.raises(ValueError, match=r"--pin-cores: this node has \d+ devices but"):
+        WorkerOptions.from_args(base, too_many)
+
+
+def test_the_torchrun_launcher_takes_pin_cores() -> None:
+    config = parse_args(["--job", "m:j", "--job-dir", "/tmp/x", "--pin-cores", "--", "--a"])
+    assert config.pin_cores and config.args == ("--a",)
+    assert not parse_args(["--job", "m:j", "--job-dir", "/tmp/x"]).pin_cores

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
 import secrets
 import sys
 import threading
@@ -38,6 +39,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from dynarl._distenv import DistEnv
 from dynarl.bus import CurveClient, CurveServer, load_public_key, load_secret_key, run
 from dynarl.errors import WorkerError
+from dynarl.runtime._cores import pinned_cores
 from dynarl.runtime.launch._rendezvous import AdmissionDesk, request_admission
 
 __all__ = [
@@ -84,6 +86,9 @@ class LaunchConfig:
     """Timeout of store connections and reads, seconds."""
     poll_s: float = 0.1
     """How often the controller looks for join requests, seconds."""
+    pin_cores: bool = False
+    """Run each rank on one core: the ``LOCAL_RANK``-th this process may use (the
+    processes it starts inherit it)."""
     args: tuple[str, ...] = ()
     """The job's own arguments (after ``--``)."""
 
@@ -297,13 +302,18 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
     parser.add_argument("--allowed-keys", type=Path, nargs="+", default=[])
     parser.add_argument("--rendezvous-timeout", type=float, default=120.0)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="run this rank on the LOCAL_RANK-th core it may use (a device is one core)",
+    )
     ns = parser.parse_args(argv)
     logging.getLogger().setLevel(ns.log_level)
     return LaunchConfig(
         job=ns.job, job_dir=ns.job_dir, job_name=ns.job_name, bind_host=ns.bind_host,
         advertise_host=ns.advertise_host, curve=ns.curve, key_file=ns.key_file,
         allowed_keys=tuple(ns.allowed_keys), rendezvous_timeout_s=ns.rendezvous_timeout,
-        args=tuple(job_args),
+        pin_cores=ns.pin_cores, args=tuple(job_args),
     )  # fmt: skip
 
 
@@ -312,6 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = DistEnv.from_env()
     logging.basicConfig(format=f"%(asctime)s rank{env.rank} %(name)s %(levelname)s %(message)s")
     config = parse_args(sys.argv[1:] if argv is None else argv)
+    if config.pin_cores:
+        cores = pinned_cores(env.local_world_size, os.sched_getaffinity(0), setting="--pin-cores")
+        os.sched_setaffinity(0, {cores[env.local_rank]})
     job = load_job(config.job)
     store = open_store(env, config.store_timeout_s)
     logger.info(

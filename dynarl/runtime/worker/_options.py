@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dynarl._distenv import DistEnv
+from dynarl.runtime._cores import pinned_cores
 
 __all__ = ["WorkerOptions"]
 
@@ -88,6 +89,8 @@ class WorkerOptions:
     ) -> WorkerOptions:
         """Parse flags; a missing ``--device`` is torchrun's ``RANK``, a missing
         ``--controller`` / ``--store`` is ``DYNARL_CONTROLLER`` / ``DYNARL_STORE``.
+        ``--pin-cores`` (or ``DYNARL_PIN_CORES=1``) without ``--cpus`` pins the worker to
+        the ``LOCAL_RANK``-th core this process may use (a device is one core, per node).
 
         Raises ValueError naming what is missing or malformed.
         """
@@ -103,8 +106,18 @@ class WorkerOptions:
         parser.add_argument("--threads", type=int, default=1)
         parser.add_argument("--preload", action="append", default=[])
         parser.add_argument("--cpus", default="")
+        parser.add_argument(
+            "--pin-cores", action="store_true", default=env.get("DYNARL_PIN_CORES") == "1"
+        )
         args = parser.parse_args(list(argv))
         device = args.device if args.device is not None else DistEnv.from_env(env).rank
+        cpus = _cpus(args.cpus)
+        if args.pin_cores and not cpus:
+            local = DistEnv.from_env(env)
+            cores = pinned_cores(
+                local.local_world_size, os.sched_getaffinity(0), setting="--pin-cores"
+            )
+            cpus = (cores[local.local_rank],)
         host, port = _store_address(args.store)
         return cls(
             controller=args.controller,
@@ -117,7 +130,7 @@ class WorkerOptions:
             collective_timeout_s=args.collective_timeout,
             num_threads=args.threads,
             preload=tuple(args.preload),
-            cpus=_cpus(args.cpus),
+            cpus=cpus,
         )
 
 
