@@ -36,6 +36,23 @@ def attach(server: VLLMServer) -> VLLMEngine:
     return VLLMEngine(url=server.url, max_num_seqs=MAX_NUM_SEQS)
 
 
+def attached_job(
+    a: VLLMServer, b: VLLMServer, run_dir: Path, *, max_inflight: int = 8
+) -> tuple[list[ComponentSpec], JobConfig]:
+    """A job whose rollout is the role attached to servers ``a`` (device 0) and ``b``
+    (device 1), a trainer on device 2, the scheduler observing only."""
+    setup = EngineSetup(
+        urls={"0": a.url, "1": b.url}, max_num_seqs=MAX_NUM_SEQS, metrics_interval_s=0.2
+    )
+    rollout = ComponentSpec(
+        role=EngineRollout, devices=(0, 1), options=setup.to_options(), max_inflight=max_inflight
+    )
+    config = JobConfig(
+        run_dir=str(run_dir), runtime=RuntimeConfig(scheduler=SchedulerConfig(observe_only=True))
+    )
+    return [rollout, ComponentSpec(role=TinyTrainer, devices=(2,))], config
+
+
 def test_utilization_follows_running_requests_up_to_the_limit(vllm_server: VLLMServer) -> None:
     async def main() -> list[float]:
         engine = attach(vllm_server)
@@ -85,26 +102,9 @@ def test_tokens_report_the_weight_version_set(vllm_server: VLLMServer) -> None:
 def test_a_rollout_device_moved_mid_generation_loses_nothing(
     vllm_server: VLLMServer, vllm_server_b: VLLMServer, tmp_path: Path
 ) -> None:
-    setup = EngineSetup(
-        urls={"0": vllm_server.url, "1": vllm_server_b.url},
-        max_num_seqs=MAX_NUM_SEQS,
-        metrics_interval_s=0.2,
-    )
-    config = JobConfig(
-        run_dir=str(tmp_path),
-        runtime=RuntimeConfig(scheduler=SchedulerConfig(observe_only=True)),
-    )
-    specs = [
-        # As many in flight per worker as its engine runs: the rest wait in the dispatcher,
-        # so both engines get work.
-        ComponentSpec(
-            role=EngineRollout,
-            devices=(0, 1),
-            options=setup.to_options(),
-            max_inflight=MAX_NUM_SEQS,
-        ),
-        ComponentSpec(role=TinyTrainer, devices=(2,)),
-    ]
+    # As many in flight per worker as its engine runs: the rest wait in the dispatcher, so
+    # both engines get work.
+    specs, config = attached_job(vllm_server, vllm_server_b, tmp_path, max_inflight=MAX_NUM_SEQS)
     lengths = [900, 900, 900, 900, 300, 300]
     requests = [
         GenerationRequest(
@@ -226,19 +226,7 @@ def test_an_episodes_turns_go_back_to_the_engine_that_holds_its_prefix(
     """A multi-turn loop (generate, a tool answers, generate again on the whole episode):
     each turn goes back to the engine that served the episode, whose prefix cache holds it;
     once that device leaves the rollout, the episode goes on on the other engine."""
-    setup = EngineSetup(
-        urls={"0": vllm_server.url, "1": vllm_server_b.url},
-        max_num_seqs=MAX_NUM_SEQS,
-        metrics_interval_s=0.2,
-    )
-    config = JobConfig(
-        run_dir=str(tmp_path),
-        runtime=RuntimeConfig(scheduler=SchedulerConfig(observe_only=True)),
-    )
-    specs = [
-        ComponentSpec(role=EngineRollout, devices=(0, 1), options=setup.to_options()),
-        ComponentSpec(role=TinyTrainer, devices=(2,)),
-    ]
+    specs, config = attached_job(vllm_server, vllm_server_b, tmp_path)
     tool_answer = tuple(prompt(40, 999))
     # 300 prompt tokens: two whole 128-token blocks to find in the cache on the next turn.
     contexts = {f"e{i}": tuple(prompt(300, 300 + i)) for i in range(2)}

@@ -61,6 +61,8 @@ CACHED_TOKENS = "cached_tokens"
 _ABORT_ROUND_S = 0.05
 """Pause between abort rounds: an abort reaches only requests the server has received."""
 _ABORT_DEADLINE_S = 30.0
+_EXIT_POLLS, _EXIT_POLL_S = 20, 0.05
+"""After a failed request: how long to look for the engine's exit status (1 s)."""
 
 
 class EngineRollout(WorkerGroup, kind=ComponentKind.ROLLOUT, name="rollout"):
@@ -135,6 +137,15 @@ class EngineRollout(WorkerGroup, kind=ComponentKind.ROLLOUT, name="rollout"):
                 self._raise_if_lost(engine, exc)
                 logger.warning("rollout on device %d: load read failed: %s", self.ctx.device, exc)
 
+    async def _raise_if_exited(self, engine: Engine, exc: BackendError) -> None:
+        """EngineLostError if the failed request's engine process has ended, once it has
+        been reaped (a killed server's connections drop a moment before its exit status
+        is known: bounded wait); returns if it still runs."""
+        for _ in range(_EXIT_POLLS):
+            self._raise_if_lost(engine, exc)
+            await asyncio.sleep(_EXIT_POLL_S)
+        self._raise_if_lost(engine, exc)
+
     def _raise_if_lost(self, engine: Engine, exc: BackendError | None) -> None:
         cause = engine.exit_cause
         if cause is not None:
@@ -172,7 +183,7 @@ class EngineRollout(WorkerGroup, kind=ComponentKind.ROLLOUT, name="rollout"):
             await self._abort([request.request_id])
             raise
         except BackendError as exc:
-            self._raise_if_lost(engine, exc)
+            await self._raise_if_exited(engine, exc)
             raise
         finally:
             self._inflight.pop(request.request_id, None)

@@ -249,6 +249,8 @@ class WorkerAgent:
         return role
 
     async def _serve(self, item: GenerationRequest | Sample, peer: Peer) -> Sample:
+        if self._engine_lost is not None:  # leaving: no reply (see the module docstring)
+            await asyncio.Event().wait()
         active = self._host.active
         if active is None:
             raise WorkerError(f"worker {self.device} has no active role")
