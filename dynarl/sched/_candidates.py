@@ -5,8 +5,10 @@ second; f_c from the predictor, W_c the component's remaining items), and its re
 time is the reciprocal. A candidate aims at a *level* t of that rate: every receiver
 takes the smallest valid size whose predicted rate reaches t, the donor keeps the
 largest valid size that still reaches t and frees what the receivers need (free devices
-are used first), and whatever is left over stays free. A donor whose predecessors still
-have items of the iteration left keeps at least one replica (its inputs keep coming).
+are used first; its ladder always holds the size that frees exactly that, so a thinned
+ladder does not free devices no receiver takes), and whatever is left over stays free. A
+donor with items of the iteration left, or whose predecessors have some, keeps at least
+one replica (its work is not done, or its inputs keep coming).
 Levels are the distinct rates the components reach at their valid sizes; when there
 are at most ``num_candidates`` of them above the current rate every one is evaluated (the
 search is then exhaustive: with a migration cost that does not decrease as more devices
@@ -26,7 +28,7 @@ the GPU count. Pure: everything comes in as one :class:`~dynarl.sched._decision.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,12 +82,16 @@ class _Context:
         state = self.stats[name].latest
         return float(self.predictor.predict(name, np.array([float(size)]), state)[0])
 
-    def ladder(self, name: str, low: int, high: int) -> IntArray:
+    def ladder(self, name: str, low: int, high: int, extra: Iterable[int] = ()) -> IntArray:
+        """Valid sizes of ``name`` in [low, high] (spread out), its size now and the valid
+        ``extra`` ones in range, minus changes that are not whole TP groups or overflow a
+        device's memory."""
         node, now = self.nodes[name], self.counts[name]
         if node.num_valid_sizes(low, high) > self.config.num_size_points:
             self.truncated = True
+        more = {n for n in extra if low <= n <= high and node.is_valid_size(n)}
         sizes: IntArray = np.array(
-            sorted({now, *node.valid_sizes(low, high, self.config.num_size_points)}),
+            sorted({now, *more, *node.valid_sizes(low, high, self.config.num_size_points)}),
             dtype=np.int64,
         )
         # A change must be whole TP groups (only bites when the current size is off-grid).
@@ -104,13 +110,18 @@ class _Context:
 def evaluate(inputs: RoundInput) -> Evaluation:
     """Rank the candidate reallocations of the round's donors' devices (and the free ones).
 
-    Only interruptible components with a report and a non-zero prediction take part;
-    the others keep their size. Calls ``inputs.cost.estimate`` once per candidate.
+    Only interruptible components with a report and a non-zero prediction, which the
+    loss rule does not hold, take part; the others keep their size. Calls
+    ``inputs.cost.estimate`` once per candidate.
     """
     ctx, known = _setup(inputs)
     current = _candidate(ctx, None, dict(ctx.counts), known, ctx.num_free)
     nodes, stats = inputs.nodes, inputs.stats
-    movable = {n for n in known if nodes[n].interruptible and stats[n].interruptible}
+    movable = {
+        n
+        for n in known
+        if nodes[n].interruptible and stats[n].interruptible and n not in inputs.held
+    }
     donor_list = [d.component for d in inputs.donors if d.component in movable]
     if ctx.num_free and not donor_list:
         donor_list = [""]
@@ -208,18 +219,20 @@ def _levels(
 
 
 def _floor(ctx: _Context, name: str) -> int:
-    """Fewest devices ``name`` may keep as a donor: one replica while work still comes.
+    """Fewest devices ``name`` may keep as a donor: one replica while work is left or comes.
 
     A component whose predecessors have items of the iteration left will receive more
     work; releasing its last replica would stall that work until another move (and
     another Stage 1 window) brings devices back, so it keeps one replica until its
-    inputs are done. Otherwise it may go down to zero (when its minimum allows).
+    inputs are done, and so does one with items of its own left. Otherwise (its
+    iteration's work done) it may go down to zero, when its minimum allows or it parks.
     """
     node = ctx.nodes[name]
     if ctx.counts[name] <= 0:
         return 0
     upstream = any(p in ctx.stats and ctx.stats[p].remaining > 0 for p in node.predecessors)
-    return max(node.min_devices, node.unit) if upstream else 0
+    working = upstream or ctx.stats[name].remaining > 0
+    return max(node.min_devices, node.unit) if working else 0
 
 
 def _reach_all(
@@ -250,6 +263,7 @@ def _reach_all(
         feasible &= need <= 0
     else:
         limit = counts[donor] - np.maximum(need, 0)
+        d_sizes, d_rates = _exact(ctx, donor, d_sizes, d_rates, limit)
         ok = (d_sizes[None, :] <= limit[:, None]) & (d_rates[None, :] >= levels[:, None])
         feasible &= ok.any(axis=1)
         columns[donor] = np.where(ok, d_sizes[None, :], -1).max(axis=1)
@@ -266,6 +280,22 @@ def _reach_all(
         plan.update(zip(names, row, strict=True))
         plans.append(plan)
     return kept_levels[first].tolist(), plans
+
+
+def _exact(
+    ctx: _Context, donor: str, d_sizes: IntArray, d_rates: FloatArray, limit: IntArray
+) -> tuple[IntArray, FloatArray]:
+    """The donor's ladder plus, for every level, the largest whole-unit size within what
+    the receivers leave it, so a donor never frees devices no receiver takes merely
+    because its spread-out ladder skips the size it should keep."""
+    if d_sizes.shape[0] == 0:
+        return d_sizes, d_rates
+    unit = ctx.nodes[donor].unit
+    wanted = set((np.unique(limit) // unit * unit).tolist()) - set(d_sizes.tolist())
+    if not wanted:
+        return d_sizes, d_rates
+    sizes = ctx.ladder(donor, _floor(ctx, donor), ctx.counts[donor], extra=wanted)
+    return sizes, ctx.rate(donor, sizes)
 
 
 def _free_after(ctx: _Context, sizes: Mapping[str, int]) -> int:

@@ -116,6 +116,8 @@ class RoundInput:
     """The scheduler's settings."""
     time: float
     """Clock time of the round, seconds."""
+    held: frozenset[str] = frozenset()
+    """Components the loss rule holds: Stage 2 neither shrinks nor grows them."""
 
     def counts(self) -> dict[str, int]:
         """Devices each component of ``nodes`` holds."""

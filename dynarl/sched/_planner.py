@@ -1,7 +1,9 @@
 """One decision round as pure functions: the safety gates, then Stage 2.
 
 Safety: a move may start only when the scheduler is not in safe mode, no move is in
-flight, and at least ``min_move_interval_s`` has passed since the last move ended. Safe
+flight, and at least ``min_move_interval_s`` has passed since the last move ended, unless
+it takes devices only from donors that have finished their iteration's work
+(:func:`finished_donors`: they idle until the next iteration whatever happens). Safe
 mode freezes the last valid allocation (the pipeline runs on statically); it is entered
 after ``max_failed_moves`` consecutive failed moves, when any component's median relative
 prediction error exceeds ``max_prediction_error`` over at least ``num_error_samples``
@@ -22,7 +24,7 @@ the scheduler's loop or the simulator.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from dynarl.bus import (
@@ -43,9 +45,11 @@ from dynarl.errors import SchedulingError
 from dynarl.sched._candidates import assess, evaluate
 from dynarl.sched._decision import Candidate, Decision, DeviceMove, Rejection, RoundInput
 from dynarl.sched._device_placement import place
+from dynarl.sched._graph import HyperNode
 from dynarl.sched._sched_config import SchedulerConfig
+from dynarl.sched._window import ComponentStats, DonorSignal
 
-__all__ = ["Safety", "decide", "hold"]
+__all__ = ["Safety", "decide", "finished_donors", "hold"]
 
 
 def decide(inputs: RoundInput) -> Decision:
@@ -112,6 +116,30 @@ def _place(inputs: RoundInput, cand: Candidate) -> tuple[DeviceMove, ...]:
         inputs.nodes,
         inputs.config.num_devices_per_node,
         load={name: s.latest.utilization for name, s in inputs.stats.items()},
+    )
+
+
+def finished_donors(
+    donors: Sequence[DonorSignal],
+    stats: Mapping[str, ComponentStats],
+    nodes: Mapping[str, HyperNode],
+    since: float,
+) -> tuple[DonorSignal, ...]:
+    """The donors whose iteration's work is done: no item left, none left upstream, as
+    reports made after ``since`` (the end of the last move) say.
+
+    Such a donor idles until the next iteration brings it work, so moving its devices
+    disturbs nothing it runs: the minimum interval between moves does not hold it back.
+    A report from before the last move may describe an iteration that has ended since.
+    """
+
+    def done(name: str) -> bool:
+        return name in stats and stats[name].remaining <= 0 and stats[name].time > since
+
+    return tuple(
+        d
+        for d in donors
+        if done(d.component) and all(done(p) for p in nodes[d.component].predecessors)
     )
 
 

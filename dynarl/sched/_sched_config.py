@@ -53,6 +53,13 @@ class SchedulerConfig:
     """Prediction errors a component needs before its error can trigger safe mode."""
     safe_mode_cooldown_s: float = 300.0
     """Time safe mode lasts unless an operator ends it earlier, seconds."""
+    num_loss_iterations: int = 2
+    """k: iterations of realised move effects the loss rule weighs; a component whose moves
+    in the last k iterations cost more than they gained (their realised deltas sum above
+    zero) is held, neither shrunk nor grown, until its prediction error falls (0: no rule)."""
+    release_error_fraction: float = 0.5
+    """A held component is released once its median prediction error, over at least
+    ``num_error_samples`` reports, is below this fraction of its error when it was held."""
     observe_only: bool = False
     """Decide and record, but never emit a migration command."""
     num_devices_per_node: int = 8
@@ -76,6 +83,8 @@ class SchedulerConfig:
         _check_int("num_size_points", self.num_size_points, 4, 4096)
         _check_int("max_failed_moves", self.max_failed_moves, 1, 1000)
         _check_int("num_error_samples", self.num_error_samples, 1, 100_000)
+        _check_int("num_loss_iterations", self.num_loss_iterations, 0, 1000)
+        _check_range("release_error_fraction", self.release_error_fraction, 0.0, 1.0)
         _check_int("num_devices_per_node", self.num_devices_per_node, 1, 1024)
         _check_int("device_memory_bytes", self.device_memory_bytes, 1, 1 << 50)
         _check_int("min_quota_devices", self.min_quota_devices, 0, 1 << 30)

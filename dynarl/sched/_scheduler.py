@@ -7,9 +7,9 @@ in virtual time. :meth:`Scheduler.handle_many` is the synchronous step (it never
 events, then at most one round on the state after all of them); :meth:`Scheduler.run`
 feeds it from an async iterator of events or batches. Every decision round, committed
 or not, goes to the ledger with what the scheduler saw of each component at that round;
-so do safe-mode transitions and, once its iteration has ended, the realised effect of a
-committed move (see :mod:`dynarl.sched._effects`). Runs on the controller, in its event
-loop.
+so do safe-mode transitions and, once the work it knew of is done, the realised effect of
+every committed move, which also feeds the loss rule that holds a component whose moves
+lost time (see :mod:`dynarl.sched._effects`). Runs on the controller, in its event loop.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from dynarl.bus import (
     Commit,
     ComponentReport,
     DecisionReason,
+    MinimumInterval,
     NoDonor,
     ObserveOnly,
     QuotaRefused,
     Reclaim,
 )
 from dynarl.sched._decision import Decision, MigrationCost, RoundInput
-from dynarl.sched._effects import MoveEffects, observe
+from dynarl.sched._effects import LossRule, MoveEffects, Realised, observe
 from dynarl.sched._events import (
     Clock,
     CommandSink,
@@ -44,7 +45,7 @@ from dynarl.sched._events import (
 from dynarl.sched._graph import Hypergraph, HyperNode
 from dynarl.sched._ledger import Ledger
 from dynarl.sched._ledger_records import SafeModeRecord
-from dynarl.sched._planner import Safety, decide, hold
+from dynarl.sched._planner import Safety, decide, finished_donors, hold
 from dynarl.sched._predictor import ThroughputPredictor
 from dynarl.sched._quota import plan_quota_change
 from dynarl.sched._sched_config import SchedulerConfig
@@ -97,6 +98,7 @@ class Scheduler:
         self.windows = WindowSet(self.config)
         self.safety = Safety()
         self.effects = MoveEffects()
+        self.losses = LossRule(self.config)
         self.observe_only = self.config.observe_only
         self.submit_timeout_s = submit_timeout_s
         self._counters = _Counters()
@@ -206,13 +208,21 @@ class Scheduler:
             self.predictor.observe(
                 report.component, self.allocation.count(report.component), report
             )
-        realised = self.effects.observe(report)
-        if realised is not None:
-            self.ledger.fill_realised(
-                realised.decision_id,
-                realised_iteration_delta_s=realised.realised_iteration_delta_s,
-                prediction_error=realised.prediction_error,
-            )
+        for realised in self.effects.observe(report):
+            self._learn(realised)
+
+    def _learn(self, realised: Realised) -> None:
+        """Write a move's measured effect to the ledger and hand it to the loss rule."""
+        delta, error = realised.realised_iteration_delta_s, realised.prediction_error
+        if delta is None and error is None:
+            return
+        self.ledger.fill_realised(
+            realised.decision_id, realised_iteration_delta_s=delta, prediction_error=error
+        )
+        self.losses.record(realised, self._errors())
+
+    def _errors(self) -> dict[str, tuple[float, int]]:
+        return {name: self.predictor.prediction_error(name) for name in self.nodes}
 
     def _outcome(self, outcome: MoveOutcome) -> None:
         for record in outcome.records:
@@ -255,11 +265,16 @@ class Scheduler:
         stats = self.windows.stats()
         cooldown = f"cool-down of {self.config.safe_mode_cooldown_s} s over"
         self._set_safety(self.safety.tick(now, self.config), cooldown)
-        errors = {name: self.predictor.prediction_error(name) for name in self.nodes}
+        errors = self._errors()
         self._set_safety(self.safety.check_errors(errors, now, self.config))
-        donors = detect_donors(stats, self.config)
-        inputs = self._inputs(now, stats, donors)
+        self.losses.release(errors)
+        donors: Sequence[DonorSignal] = detect_donors(stats, self.config)
         gate = self.safety.gate(now, self.config)
+        if isinstance(gate, MinimumInterval):
+            idle = finished_donors(donors, stats, self.nodes, self.safety.last_move_end)
+            if idle:
+                gate, donors = None, idle
+        inputs = self._inputs(now, stats, donors)
         if gate is not None or (not donors and not self.free):
             decision = hold(gate or NoDonor(), inputs)
         else:
@@ -318,7 +333,7 @@ class Scheduler:
                 )
             )
             self.safety = self.safety.started(decision_id)
-            self.effects.committed(decision_id, decision, stats)
+            self.effects.committed(decision_id, decision, stats, self.nodes)
             logger.info("%s: %s", decision_id, decision.reason)
         self.ledger.append(record)
         return commands
@@ -390,4 +405,5 @@ class Scheduler:
             cost=self.cost,
             config=self.config,
             time=now,
+            held=frozenset(self.losses.held),
         )

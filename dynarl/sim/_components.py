@@ -151,7 +151,10 @@ class SimPolicy(Protocol):
 
 
 def build_nodes(workload: Workload, trainer_dp_sizes: tuple[int, ...] = ()) -> dict[str, HyperNode]:
-    """The scheduler's view of the three components."""
+    """The scheduler's view of the three components.
+
+    Rollout may park (hold no device) once its iteration's samples are done: Stage 2 keeps
+    a replica of any component with items left. The trainer parks when the workload's does."""
     w = workload
     return {
         "rollout": HyperNode(
@@ -160,6 +163,10 @@ def build_nodes(workload: Workload, trainer_dp_sizes: tuple[int, ...] = ()) -> d
             migration=MigrationKind.WORKLOAD,
             tp=w.rollout.tp,
             min_devices=w.rollout.tp,
+            # Its engines idle from the iteration's last sample to the barrier, which
+            # reloads them with the new weights anyway: once done, rollout may hold no
+            # device, so its last engine never strands the GPUs beside it.
+            parkable=True,
             successors=("inference",),
         ),
         "inference": HyperNode(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -345,10 +346,13 @@ class Simulation:
     # ---------------------------------------------------------------- reports
     def reports(self) -> dict[str, ComponentReport]:
         """Every component's report for the interval that ends now."""
-        remaining = self.pending()
         it = max(self.iteration, 0)
+        # Rollout's report first: a lazy (vectorised) model catches up to now in it, and
+        # the samples it finished meanwhile count in every figure.
+        rollout = self.rollout.report(remaining=0, iteration=it)
+        remaining = self.pending()
         return {
-            "rollout": self.rollout.report(remaining=remaining["rollout"], iteration=it),
+            "rollout": msgspec.structs.replace(rollout, remaining=remaining["rollout"]),
             "inference": self.inference.report(remaining=remaining["inference"], iteration=it),
             "trainer": self.trainer.report(remaining=remaining["trainer"], iteration=it),
         }

@@ -119,6 +119,9 @@ _SECTIONS: dict[str, type[Any]] = {
 }
 _TOP = tuple(f.name for f in fields(Workload) if f.name not in _SECTIONS)
 """Top-level keys: ``name``, ``kind``, ``seed``, the iteration counts, ``notes``."""
+_WRITTEN_WHEN_SET = {("scheduler", "num_loss_iterations"), ("scheduler", "release_error_fraction")}
+"""Keys added after the shipped files were written: :func:`dump_workload` writes them only
+when they differ from their default, so those files still round-trip byte for byte."""
 
 
 def _required(cls: type[Any]) -> list[str]:
@@ -329,7 +332,8 @@ def _toml_value(value: object) -> str:
 
 
 def dump_workload(workload: Workload, header: str = "") -> str:
-    """The TOML text of ``workload`` (fields left at None are omitted).
+    """The TOML text of ``workload`` (fields left at None, and a few newer keys left at their
+    default, are omitted).
 
     ``header`` lines are written first as comments.
     """
@@ -347,6 +351,8 @@ def dump_workload(workload: Workload, header: str = "") -> str:
         lines.append(f"[{section}]")
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
+            if (section, f.name) in _WRITTEN_WHEN_SET and value == f.default:
+                continue
             if value is not None:
                 lines.append(f"{f.name} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"

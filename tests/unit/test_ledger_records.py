@@ -131,7 +131,9 @@ def test_every_round_is_observed_under_its_decision_id() -> None:
     assert math.isclose(last.components["rollout"].utilization, 0.05)
 
 
-def test_the_last_move_of_an_iteration_is_measured_when_the_next_begins() -> None:
+def test_every_move_of_an_iteration_is_measured_by_the_time_the_next_begins() -> None:
+    """Each committed move is measured on its own (issue 23: before, only an iteration's
+    last move was), against the work it knew of (``dynarl/sched/_effects.py``)."""
     s, clock = make(min_move_interval_s=0.0)
     first: list[MigrationCommand] = []
     while not first:
@@ -149,16 +151,16 @@ def test_the_last_move_of_an_iteration_is_measured_when_the_next_begins() -> Non
     step(s, clock, iteration=1, idle="trainer")  # the iteration ended during this interval
     end = clock.now()
     early, late = committed(s.ledger)
-    assert early.prediction_error is None and early.realised_iteration_delta_s is None
-    assert late.prediction_error is not None and late.realised_iteration_delta_s is not None
+    for move in (early, late):
+        assert move.prediction_error is not None and move.realised_iteration_delta_s is not None
+    # The last move's work ran to the iteration's end.
     predicted = 1.0 / late.predicted_throughput_new + late.migration_cost_s
     assert math.isclose(late.prediction_error, (end - t_decided) / predicted - 1.0)
-    baseline = 1.0 / late.predicted_throughput_old
-    assert math.isclose(late.realised_iteration_delta_s, (end - t_decided) - baseline)
     summary = summarise_ledger(s.ledger)
-    assert [m.status for m in summary.moves] == ["superseded", "measured"]
-    assert summary.moves[1].realised_gain_s == -late.realised_iteration_delta_s
-    assert summary.prediction_error is not None and summary.prediction_error.count == 1
+    assert [m.status for m in summary.moves] == ["measured", "measured"]
+    for move, record in zip(summary.moves, (early, late), strict=True):
+        assert move.realised_gain_s == -record.realised_iteration_delta_s
+    assert summary.prediction_error is not None and summary.prediction_error.count == 2
     assert [i.iteration for i in summary.iterations] == [0, 1]
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import msgspec
 import pytest
-from sched_support import NODES, START, PowerLawPredictor, report
+from sched_support import NODES, ROLLOUT, START, TRAINER, PowerLawPredictor, report
 
 from dynarl.bus import (
     ComponentReport,
@@ -385,3 +386,38 @@ def test_run_takes_batches_and_single_events() -> None:
     asyncio.run(s.run(stream(), sink))
     # 3 batches (one round each) and one round on the last instant's first report.
     assert len(decisions(s.ledger)) == 4 and len(sink.commands) == 1
+
+
+def test_a_finished_donor_is_moved_within_the_minimum_interval() -> None:
+    # A parkable rollout done with its iteration (nothing left, no predecessor) idles until
+    # the next one: the interval between moves does not hold its devices back, once a
+    # report made after the last move says it is done.
+    clock = ManualClock()
+    s = Scheduler(
+        graph={"rollout": replace(ROLLOUT, parkable=True), "trainer": TRAINER},
+        allocation=START,
+        predictor=PowerLawPredictor({"rollout": (100.0, 0.9, 4.0), "trainer": (10.0, 1.0, 0.0)}),
+        cost=StaticMigrationCost(seconds={MigrationKind.WORKLOAD: 1.0, MigrationKind.P2P: 2.0}),
+        clock=clock,
+        config=SchedulerConfig(num_devices_per_node=4, min_move_interval_s=60.0),
+    )
+
+    def step(remaining: int) -> list[MigrationCommand]:
+        t = clock.advance(1.0)
+        rollout, trainer = interval(s, t)
+        return s.handle_many([msgspec.structs.replace(rollout, remaining=remaining), trainer])
+
+    commands = [c for _ in range(4) for c in step(8)]
+    (first,) = commands
+    assert 0 < first.new_allocation.count("rollout") < 12
+    assert step(0) == []  # the move is in flight
+    clock.advance(1.0)
+    finish(s, first)  # its round sees only a report from before the move's end
+    assert s.safety.last_move_end == clock.now()
+    assert isinstance(decisions(s.ledger)[-1].reason, MinimumInterval)
+    later = [(clock.now(), c) for _ in range(10) for c in step(0)]
+    assert len(later) == 1
+    when, second = later[0]
+    assert when - s.safety.last_move_end < 60.0
+    assert second.new_allocation.count("rollout") == 0
+    assert second.new_allocation.count("trainer") == 16

@@ -368,8 +368,8 @@ def test_dynarl_completes_every_iteration_when_its_scheduler_never_moves(
         assert held == {start["trainer"]}
         return
     # Both stalled once rollout is done: inference gets a replica, the trainer every
-    # other device but rollout's last engine, at a whole number of its replicas.
-    idle = workload.cluster.num_gpus - workload.rollout.tp - workload.inference.tp
+    # other device (the finished rollout parks), at a whole number of its replicas.
+    idle = workload.cluster.num_gpus - workload.inference.tp
     unparked = idle - idle % workload.trainer.tp
     assert unparked >= max(workload.trainer.min_gpus, workload.trainer.tp)
     assert held == {0, unparked}

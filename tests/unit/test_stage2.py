@@ -357,3 +357,62 @@ def test_a_parked_component_with_nothing_queued_is_no_reason_to_move() -> None:
     assert decision.current.bottleneck == "rollout"
     assert not decision.committed
     assert all(r.candidate.size("trainer") == 0 for r in decision.rejected)
+
+
+def test_a_donor_keeps_what_its_receivers_do_not_take() -> None:
+    # A 100-device rollout in its tail, its ladder thinned to 4 sizes: the donor keeps
+    # exactly what is left after the trainer's growth, not the next thinned size below it
+    # (which left 85 devices free and no component growing onto them).
+    stats = stats_of(
+        report("rollout", remaining=8, utilization=(0.05,) * 100),
+        report("trainer", kind="trainer", remaining=1000, queue_depth=50),
+    )
+    inputs = tail_round(
+        allocation=Allocation.of({"rollout": range(100), "trainer": range(100, 104)}),
+        stats=stats,
+        config=SchedulerConfig(num_devices_per_node=4, num_size_points=4),
+    )
+    decision = decide(inputs)
+    assert decision.committed and decision.chosen is not None
+    assert decision.chosen.size("trainer") > 4
+    candidates = [decision.chosen, *(r.candidate for r in decision.rejected)]
+    assert all(c.num_free == 0 for c in candidates)
+    assert decision.chosen.size("rollout") == 104 - decision.chosen.size("trainer")
+
+
+def test_a_finished_component_may_park_and_one_with_items_left_keeps_a_replica() -> None:
+    # Rollout's 4-device engines beside a TP-8 trainer, 8 devices a node. Done, rollout
+    # gives up its last engine too: half a node is of no use to the trainer.
+    nodes = {
+        "rollout": HyperNode(name="rollout", kind=ComponentKind.ROLLOUT, tp=4, parkable=True),
+        "trainer": replace(TRAINER, tp=8, dp_sizes=(), min_devices=8),
+    }
+    idle = DonorSignal(component="rollout", idle_fraction=1.0, mean_utilization=0.0)
+
+    def round_with(remaining: int) -> RoundInput:
+        return tail_round(
+            nodes=nodes,
+            allocation=Allocation.of({"rollout": range(0, 8), "trainer": range(8, 16)}),
+            stats=stats_of(
+                report("rollout", remaining=remaining, utilization=(0.0, 0.0)),
+                report("trainer", kind="trainer", remaining=1000, queue_depth=50),
+            ),
+            donors=(idle,),
+            config=SchedulerConfig(num_devices_per_node=8),
+        )
+
+    done = decide(round_with(0))
+    assert done.committed and done.chosen is not None
+    assert done.chosen.size("rollout") == 0 and done.chosen.size("trainer") == 16
+    working = decide(round_with(8))
+    sizes = [r.candidate.size("rollout") for r in working.rejected]
+    assert working.chosen is None or working.chosen.size("rollout") > 0
+    assert all(n > 0 for n in sizes)
+
+
+@pytest.mark.parametrize("held", ["rollout", "trainer"])
+def test_a_held_component_is_neither_shrunk_nor_grown(held: str) -> None:
+    assert decide(tail_round()).committed
+    decision = decide(tail_round(held=frozenset({held})))
+    assert not decision.committed and decision.moves == ()
+    assert all(r.candidate.size(held) == allocation().count(held) for r in decision.rejected)

@@ -29,7 +29,8 @@ finite when the scheduler does not move (safe mode, ``observe_only``) or has not
 once rollout is done, a stage that still holds no device while it has work left is
 unparked onto idle devices (rollout's, a finished inference's): inference at its minimum
 (at least one replica), the trainer onto every idle device, as an external move like the
-barrier's.
+barrier's. In safe mode a trainer left as the last stage with work also grows onto the
+idle devices (a finished rollout parks, so its engines are among them).
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class DynarlPolicy:
             self._pipeline_move(sim, self.initial, f"barrier-{iteration}")
         elif self._unpark:
             self._unpark = False
-            wanted = _unstalled(sim)
+            wanted = _unstalled(sim, frozen=self.scheduler.safety.safe)
             if wanted is not None:
                 self._pipeline_move(sim, wanted, f"unpark-{sim.iteration}")
 
@@ -230,16 +231,18 @@ class DynarlPolicy:
         return tuple(records)
 
 
-def _unstalled(sim: Simulation) -> dict[str, int] | None:
+def _unstalled(sim: Simulation, *, frozen: bool = False) -> dict[str, int] | None:
     """Sizes that unpark every stalled stage, or None when none is stalled (or can be yet).
 
     Once rollout is done, a stage (inference, the trainer) is stalled when it holds no
-    device while it has items of the iteration left. The idle devices are the free ones,
-    rollout's but one engine, and a finished inference's. A stalled inference gets its
-    minimum (at least one replica) from them; a stalled trainer, the last stage, every
-    idle device left at its largest valid size, as a colocated trainer onloads onto every
-    GPU. Returns None, waiting for inference to finish, when the trainer's minimum is not
-    idle yet.
+    device while it has items of the iteration left; while the scheduler is ``frozen`` (in
+    safe mode) the trainer is stalled too once inference is done, if idle devices would
+    let it grow. The idle devices are the free ones, rollout's (but one engine when
+    rollout cannot park), and a finished inference's. A stalled inference gets
+    its minimum (at least one replica) from them; a stalled trainer, the last stage, every
+    idle device left at its largest valid size (that its old and new state fit in memory
+    together, when it grows), as a colocated trainer onloads onto every GPU. Returns None,
+    waiting for inference to finish, when the trainer's minimum is not idle yet.
     """
     w = sim.workload
     left = sim.remaining()
@@ -252,10 +255,13 @@ def _unstalled(sim: Simulation) -> dict[str, int] | None:
         for name, spec in specs.items()
         if counts[name] == 0 and left[name] > 0 and not spec.fused
     ]
+    if frozen and counts["trainer"] and left["trainer"] > 0 and left["inference"] == 0:
+        stalled.append("trainer")
     if not stalled:
         return None
+    parks = sim.nodes["rollout"].zero_allowed
     spare = {
-        "rollout": max(counts["rollout"] - w.rollout.tp, 0),
+        "rollout": max(counts["rollout"] - (0 if parks else w.rollout.tp), 0),
         "inference": counts["inference"] if left["inference"] == 0 else 0,
     }
     idle = len(sim.free) + sum(spare.values())
@@ -264,16 +270,16 @@ def _unstalled(sim: Simulation) -> dict[str, int] | None:
         wanted["inference"] = max(w.inference.min_gpus, w.inference.tp)
         idle -= wanted["inference"]
     if "trainer" in stalled:
-        fits = [n for n in sim.nodes["trainer"].valid_sizes(1, idle, 1 << 30) if n <= idle]
+        fits = _trainer_sizes(sim, counts["trainer"], counts["trainer"] + idle)
         if not fits or idle < 0:
-            logger.info("the trainer stays parked until inference is done (%d idle)", idle)
+            logger.info("the trainer waits until inference is done (%d idle)", idle)
             return None
         wanted["trainer"] = fits[-1]
-        idle -= fits[-1]
+        idle -= fits[-1] - counts["trainer"]
     if idle < 0:
         return None
     # Take what the stalled stages get from the donors' idle devices, whole replicas.
-    need = sum(wanted[n] for n in stalled) - len(sim.free)
+    need = sum(wanted[n] - counts[n] for n in stalled) - len(sim.free)
     for donor in ("inference", "rollout"):
         unit = w.inference.tp if donor == "inference" else w.rollout.tp
         take = min(-(-max(need, 0) // unit) * unit, spare[donor] - spare[donor] % unit)
@@ -283,3 +289,15 @@ def _unstalled(sim: Simulation) -> dict[str, int] | None:
         return None
     logger.info("unparking %s at t=%.1f s: %s", stalled, sim.loop.now, wanted)
     return wanted
+
+
+def _trainer_sizes(sim: Simulation, have: int, most: int) -> list[int]:
+    """The trainer's valid sizes above ``have`` up to ``most`` whose state, with the old
+    state beside it while it grows, fits a device."""
+    node = sim.nodes["trainer"]
+    memory = sim.workload.scheduler.device_memory_bytes
+    return [
+        n
+        for n in node.valid_sizes(have + 1, most, 1 << 30)
+        if n <= most and node.bytes_per_device(n) + node.bytes_per_device(have) <= memory
+    ]
