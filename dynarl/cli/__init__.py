@@ -15,8 +15,7 @@ import sys
 from collections.abc import Sequence
 
 import dynarl
-from dynarl.cli._format import Formatter, Parser
-from dynarl.cli._simulate import add_simulate
+from dynarl.cli import _format, _simulate
 
 __all__ = ["build_parser", "main"]
 
@@ -35,21 +34,21 @@ Run 'dynarl COMMAND --help' for a command's options."""
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
-    parser = Parser(
-        prog="dynarl", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=Formatter
+    parser = _format.Parser(
+        prog="dynarl", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=_format.Formatter
     )
     parser.add_argument("--version", action="version", version=f"dynarl {dynarl.__version__}")
     commands = parser.add_subparsers(
         dest="command", required=True, title="commands", metavar="COMMAND"
     )
     _add_demo(commands)
-    add_simulate(commands)
+    _simulate.add_simulate(commands)
     _add_events(commands)
     _add_keys(commands)
     return parser
 
 
-def _add_keys(commands: argparse._SubParsersAction[Parser]) -> None:
+def _add_keys(commands: argparse._SubParsersAction[_format.Parser]) -> None:
     keys = commands.add_parser(
         "keys",
         help="generate a CURVE key pair for one node (run outside the job)",
@@ -57,7 +56,7 @@ def _add_keys(commands: argparse._SubParsersAction[Parser]) -> None:
         "NAME.key (public) and NAME.key_secret (mode 0600, keep it on that node) into "
         "--dir. See docs/torchrun.md.",
         epilog="example:\n  dynarl keys node0 --dir /etc/dynarl   # node0.key, node0.key_secret",
-        formatter_class=Formatter,
+        formatter_class=_format.Formatter,
     )
     keys.add_argument("name", metavar="NAME", help="node name, e.g. controller or node-3")
     keys.add_argument("--dir", default=".", help="directory for the key files")
@@ -77,7 +76,7 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_demo(commands: argparse._SubParsersAction[Parser]) -> None:
+def _add_demo(commands: argparse._SubParsersAction[_format.Parser]) -> None:
     from dynarl import demo
 
     parser = commands.add_parser(
@@ -89,13 +88,13 @@ def _add_demo(commands: argparse._SubParsersAction[Parser]) -> None:
         "  dynarl demo --steps 2 --prompts 8  # a shorter run\n"
         "  dynarl demo --mode hybrid          # asynchronous GRPO with hybrid replicas\n"
         "  dynarl events RUN_DIR              # then: what the scheduler did, and why",
-        formatter_class=Formatter,
+        formatter_class=_format.Formatter,
     )
     demo.add_arguments(parser)
     parser.set_defaults(handler=demo.main)
 
 
-def _add_events(commands: argparse._SubParsersAction[Parser]) -> None:
+def _add_events(commands: argparse._SubParsersAction[_format.Parser]) -> None:
     events = commands.add_parser(
         "events",
         help="summarise a run's ledger: moves, costs, gains, prediction error, rejections",
@@ -109,7 +108,7 @@ def _add_events(commands: argparse._SubParsersAction[Parser]) -> None:
         "  dynarl events runs/demo-20250101-120000   # a run directory of dynarl demo\n"
         "  dynarl events run/events.jsonl --json > summary.json\n"
         "  dynarl events run --plot                  # charts into run/plots",
-        formatter_class=Formatter,
+        formatter_class=_format.Formatter,
     )
     events.add_argument("run_dir", metavar="RUN_DIR", help="run directory or ledger file")
     out = events.add_argument_group("output")
