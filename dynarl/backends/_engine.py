@@ -12,7 +12,10 @@ them once, where the engines differ (measured in ``docs/engines.md``):
   in the queue with their KV freed, ``wait`` (vLLM only) lets them finish first. An
   adapter refuses a mode its engine lacks with ValueError (:attr:`Engine.pause_modes`);
 - **weight versions**: every output token's version, as spans (both engines report them
-  per request; a version is the string the last weight push set, dynarl's trainer step).
+  per request; a version is the string the last weight push set, dynarl's trainer step);
+- **scoring**: the log-probability of every token of a given sequence after its first
+  (:meth:`Engine.score`; vLLM ``prompt_logprobs``, SGLang ``input_token_logprobs``), what
+  an inference component (a reference policy) computes.
 
 Pure data and a protocol; runs anywhere.
 """
@@ -31,7 +34,9 @@ __all__ = [
     "EngineRequest",
     "FinishReason",
     "PauseMode",
+    "ScoreRequest",
     "VersionSpan",
+    "check_scores",
     "spans_of",
     "versions_of",
 ]
@@ -83,6 +88,41 @@ class EngineRequest:
                 f"EngineRequest {self.request_id!r}: temperature must be >= 0 and top_p in "
                 f"(0, 1], got {self.temperature} and {self.top_p}"
             )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScoreRequest:
+    """Score a sequence: the log-probability of each token after the first, given the
+    tokens before it, under the weights in force (one prefill, nothing sampled)."""
+
+    request_id: str
+    """Unique among the engine's in-flight requests."""
+    token_ids: tuple[int, ...]
+    """The sequence (prompt and response), at least two tokens."""
+    priority: int = 0
+    """dynarl's priority: **higher runs first**."""
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("ScoreRequest.request_id must be a non-empty string")
+        if len(self.token_ids) < 2:
+            raise ValueError(
+                f"ScoreRequest {self.request_id!r}: scoring needs at least 2 tokens, got "
+                f"{len(self.token_ids)}"
+            )
+        if min(self.token_ids) < 0:
+            raise ValueError(f"ScoreRequest {self.request_id!r}: token_ids must be >= 0")
+
+
+def check_scores(request: ScoreRequest, logprobs: Sequence[float]) -> tuple[float, ...]:
+    """``logprobs`` as a tuple, ValueError unless there is one per token after the first
+    (what every adapter's :meth:`Engine.score` returns)."""
+    if len(logprobs) != len(request.token_ids) - 1:
+        raise ValueError(
+            f"score {request.request_id!r}: {len(logprobs)} log-probs for "
+            f"{len(request.token_ids)} tokens (expected one per token after the first)"
+        )
+    return tuple(float(value) for value in logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +260,11 @@ class Engine(Protocol):
 
     async def generate(self, request: EngineRequest) -> EngineOutput:
         """Run one request to its end; after :meth:`abort`, its partial output."""
+        ...
+
+    async def score(self, request: ScoreRequest) -> tuple[float, ...]:
+        """The log-probability of each token of ``request.token_ids`` after the first,
+        given those before it (``len(token_ids) - 1`` values), under the weights in force."""
         ...
 
     async def abort(self, request_id: str) -> None:

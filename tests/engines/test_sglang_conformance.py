@@ -37,6 +37,11 @@ passes on both. Compared:
   ``max_running_requests``, ``max_total_num_tokens``, ``token_usage`` (> 0 when busy),
   ``accelerator`` (null), idle, busy and paused (a paused engine runs no iteration and
   reports the last one's figures); an unknown ``include`` section (500);
+- prompt log-probs (scoring): ``logprob_start_len: 0`` gives ``input_token_logprobs``, one
+  ``[logprob, token id, null]`` per prompt token, the first one's log-prob null and the rest
+  ``<= 0``; the prefix cache is not used (``cached_tokens`` 0 on a repeated prompt); the
+  output token and its log-prob are a plain generation's (within 1e-4); a start past the
+  prompt is refused (400);
 - ``/flush_cache``: 200 idle, 400 while a request runs or is frozen in place;
 - weight updates: ``/init_weights_update_group`` (gloo, this process is the trainer's
   rank 0), ``/update_weights_from_distributed`` refused outside ``/begin_weight_update`` …
@@ -59,6 +64,7 @@ from typing import Any
 
 import pytest
 import torch
+from vllm_support import prompt
 
 from dynarl.backends.sglang import (
     close_update_group,
@@ -72,6 +78,7 @@ from dynarl.backends.sglang._weight_sync import broadcast_bucket
 from .sglang_support import MAX_RUNNING, missing_sglang
 from .sglang_targets import (
     ATTEMPTS,
+    LOGPROB_TOL,
     LONG,
     NORM,
     SETTLE_S,
@@ -342,6 +349,42 @@ def test_v1_loads(target: Target) -> None:
         "idle": (0, 0, MAX_RUNNING, 4096),
         "busy": (MAX_RUNNING, 1, True),
         "bad_include": 500,  # SGLang's handler turns its own 400 into a bare 500
+    }
+
+
+def test_prompt_logprobs(target: Target) -> None:
+    async def scenario(http: Http) -> dict[str, Any]:
+        plain_status, plain = await http.post("/generate", body("p-0", 1, 150))
+        statuses, replies = [], []
+        for rid in ("p-1", "p-2"):
+            status, reply = await http.post("/generate", body(rid, 1, 150, logprob_start_len=0))
+            statuses.append(status)
+            replies.append(reply)
+        past_status, _ = await http.post("/generate", body("p-3", 1, 150, logprob_start_len=13))
+        entries = replies[1]["meta_info"].get("input_token_logprobs") or []
+        out = replies[1]["meta_info"]["output_token_logprobs"]
+        ref = plain["meta_info"]["output_token_logprobs"]
+        return {
+            "status": (plain_status, *statuses, past_status),
+            "tokens": [token for _, token, _ in entries] == prompt(12, 150),
+            "first_null": bool(entries) and entries[0][0] is None,
+            "rest_ok": all(isinstance(lp, float) and lp <= 0 for lp, _, _ in entries[1:]),
+            "texts_null": all(text is None for _, _, text in entries),
+            "repeats": replies[0]["meta_info"]["input_token_logprobs"] == entries,
+            "cached": replies[1]["meta_info"]["cached_tokens"],
+            "output_agrees": [token for _, token, _ in out] == [token for _, token, _ in ref]
+            and all(abs(a[0] - b[0]) <= LOGPROB_TOL for a, b in zip(out, ref, strict=True)),
+        }
+
+    assert run_http(target, scenario) == {
+        "status": (200, 200, 200, 400),
+        "tokens": True,
+        "first_null": True,
+        "rest_ok": True,
+        "texts_null": True,
+        "repeats": True,
+        "cached": 0,
+        "output_agrees": True,
     }
 
 

@@ -7,7 +7,8 @@ log-probs and version spans, priority overtakes queued requests, abort by id and
 return partial outputs that are prefixes of the full run, pause ``keep``/``retract`` then
 resume equals no pause (``retract``: up to rounding, its KV recomputed), pause ``abort``
 ends requests, load follows running and waiting requests, a weight version labels later
-tokens, cached prompt tokens are counted.
+tokens, cached prompt tokens are counted, scoring a generated sequence gives back the
+log-probs its tokens were sampled with.
 
 A real server stays warm across tests; where it can finish a request before the test acts
 on it, the test tries again, a bounded number of times. Nothing asserts a duration.
@@ -20,7 +21,7 @@ import asyncio
 import pytest
 from vllm_support import greedy_request as greedy
 
-from dynarl.backends.serving import EngineOutput, EngineRequest
+from dynarl.backends.serving import EngineOutput, EngineRequest, ScoreRequest
 from dynarl.backends.sglang import (
     SGLangServerEngine,
 )
@@ -223,3 +224,20 @@ def test_role_a_weight_version_labels_later_tokens(target: Target) -> None:
     assert labelled.token_versions() == ("conformance-7",) * 8
     assert labelled.token_ids == plain.token_ids  # a label, not new weights
     assert plain.token_versions() != labelled.token_versions()
+
+
+def test_role_scoring_a_generated_sequence_gives_its_sampled_logprobs(target: Target) -> None:
+    async def test(engine: SGLangServerEngine) -> tuple[EngineOutput, tuple[float, ...]]:
+        request = greedy("to-score", 12, 31)
+        out = await engine.generate(request)
+        scores = await engine.score(
+            ScoreRequest(request_id="score-1", token_ids=request.token_ids + out.token_ids)
+        )
+        with pytest.raises(ValueError, match="at least 2 tokens"):
+            ScoreRequest(request_id="score-2", token_ids=(5,))
+        return out, scores
+
+    out, scores = run_engine(target, test)
+    assert len(scores) == 12 + 12 - 1 and all(lp <= 0 for lp in scores)
+    # The output's tokens, scored as a prompt, have the log-probs they were sampled with.
+    assert scores[11:] == pytest.approx(out.logprobs, abs=LOGPROB_TOL)

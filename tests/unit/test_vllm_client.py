@@ -31,9 +31,11 @@ from dynarl.backends.vllm import (
 from dynarl.backends.vllm._launcher import launch_command, server_env
 from dynarl.backends.vllm._wire import (
     decode_generate_reply,
+    decode_score_reply,
     engine_request_id,
     parse_metrics,
     request_body,
+    score_body,
     vllm_priority,
 )
 from dynarl.errors import BackendError
@@ -174,6 +176,57 @@ def test_what_is_not_a_generate_reply_is_refused() -> None:
         decode_generate_reply(captured("generate.json")[:-40], "capture-greedy")
 
 
+# ---------------------------------------------------------------- scoring
+
+PROMPT = [197, 215, 20, 132, 261, 248, 207, 155, 244, 183, 298, 111]
+"""The captured prompt (``tests/vllm_schema/capture.py``)."""
+SCORED = PROMPT + list(GREEDY_IDS)
+
+
+def test_the_score_body_asks_for_one_greedy_token_and_the_prompts_log_probs() -> None:
+    body = score_body("s1", [4, 5, 6], priority=2)
+    assert body["priority"] == -2 and body["token_ids"] == [4, 5, 6]
+    sampling = body["sampling_params"]
+    assert sampling["prompt_logprobs"] == 0 and sampling["max_tokens"] == 1
+    assert sampling["temperature"] == 0.0 and "logprobs" not in sampling
+    for bad in ([4], [4, -1]):
+        with pytest.raises(ValueError, match="needs >= 2 token ids"):
+            score_body("s1", bad)
+    with pytest.raises(ValueError, match="request_id"):
+        score_body("", [4, 5])
+
+
+def test_a_real_score_reply_gives_the_log_probs_the_tokens_were_sampled_with() -> None:
+    scores = decode_score_reply(captured("score.json"), "capture-score", SCORED)
+    greedy = decode_generate_reply(captured("generate.json"), "capture-greedy")
+    assert len(scores) == len(SCORED) - 1 and all(lp < 0 for lp in scores)
+    # Scoring the greedy continuation as a prompt gives back what sampling reported.
+    assert scores[len(PROMPT) - 1 :] == pytest.approx(greedy.logprobs, abs=1e-5)
+
+
+def _mutated_score(change: Callable[[dict[str, Any]], None]) -> bytes:
+    reply = json.loads(captured("score.json"))
+    change(reply)
+    return json.dumps(reply).encode()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda r: r.update(request_id="generate-tokens-x"), "expected 'capture-score'"),
+        (lambda r: r.update(prompt_logprobs=None), "none prompt log-probs for 20"),
+        (lambda r: r["prompt_logprobs"].pop(), "19 prompt log-probs for 20"),
+        (lambda r: r["prompt_logprobs"].__setitem__(3, None), "token 132 at position 3"),
+        (lambda r: r["prompt_logprobs"].__setitem__(3, {"7": {"logprob": -1.0}}), "position 3"),
+    ],
+)
+def test_inconsistent_score_replies_are_refused(
+    change: Callable[[dict[str, Any]], None], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        decode_score_reply(_mutated_score(change), "capture-score", SCORED)
+
+
 # ---------------------------------------------------------------- metrics
 
 
@@ -299,10 +352,18 @@ def test_the_client_speaks_the_dev_mode_api() -> None:
             assert await client.reset_prefix_cache()
             await client.update_weight_version("v1")
             assert await client.weight_version() == "default"
+            stub.replies["/inference/v1/generate"] = captured("score.json")
+            scores = await client.score("capture-score", SCORED, priority=1)
+            assert len(scores) == len(SCORED) - 1
+            stub.replies["/inference/v1/generate"] = captured("generate.json")
+            with pytest.raises(BackendError, match="score capture-score: bad reply"):
+                await client.score("capture-score", SCORED)
 
     asyncio.run(main())
     calls = {(method, path): (query, body) for method, path, query, body in stub.calls}
-    assert calls[("POST", "/inference/v1/generate")][1]["priority"] == -3
+    generates = [call[3] for call in stub.calls if call[1] == "/inference/v1/generate"]
+    assert [body["priority"] for body in generates] == [-3, -1, 0]
+    assert generates[1]["sampling_params"]["prompt_logprobs"] == 0
     assert [call[3] for call in stub.calls if call[1] == "/abort_requests"] == [
         {"request_ids": [engine_request_id("capture-greedy")]},
         {},

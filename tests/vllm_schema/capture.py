@@ -9,6 +9,8 @@ on a model directory and writes, into ``--out``:
 - ``generate_aborted.json``: the reply a waiting caller got for a 300-token request
   (``capture-cut``) aborted after some tokens, and ``abort_requests.json``, the abort's own;
 - ``metrics.txt``: ``/metrics`` while two requests run;
+- ``score.json``: the reply to scoring ``PROMPT`` followed by its greedy continuation
+  (request ``capture-score``, ``score_body``: ``prompt_logprobs=0``);
 - ``is_paused.json``, ``reset_prefix_cache.json``, ``weight_info.json``: control replies.
 
 Run from the repository root, with vLLM in another environment::
@@ -21,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from pathlib import Path
 
 import aiohttp
 
 from dynarl.backends.vllm import GenerateRequest, SamplingParams, VLLMServer, VLLMServerConfig
-from dynarl.backends.vllm._wire import engine_request_id, request_body
+from dynarl.backends.vllm._wire import engine_request_id, request_body, score_body
 
 PROMPT = [197, 215, 20, 132, 261, 248, 207, 155, 244, 183, 298, 111]
 
@@ -54,7 +57,12 @@ async def _capture(url: str, out: Path) -> None:
             (out / name).write_bytes(data)
             return data
 
-        await post("/inference/v1/generate", _request("capture-greedy", 8), "generate.json")
+        greedy = await post(
+            "/inference/v1/generate", _request("capture-greedy", 8), "generate.json"
+        )
+        continuation = json.loads(greedy)["choices"][0]["token_ids"]
+        scored = score_body("capture-score", PROMPT + continuation)
+        await post("/inference/v1/generate", scored, "score.json")
         long = [
             asyncio.ensure_future(post("/inference/v1/generate", _request(f"capture-{n}", 300)))
             for n in ("cut", "other")

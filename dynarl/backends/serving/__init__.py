@@ -9,7 +9,9 @@
 - :class:`EngineSetup` — which engine a component runs per device, launched or attached,
   carried in its options;
 - :class:`EngineRollout` — the rollout role over one engine per device, drained, aborted,
-  re-dispatched and paused by the runtime as the reference engine is.
+  re-dispatched and paused by the runtime as the reference engine is;
+- :class:`EngineInference` — the same engines as an inference component: a ``Sample``'s
+  tokens scored (:class:`ScoreRequest`: the log-prob of each token after the first).
 
 Measured behaviour of both servers: ``docs/engines.md``.
 """
@@ -24,11 +26,12 @@ from dynarl.backends._engine import (
     EngineRequest,
     FinishReason,
     PauseMode,
+    ScoreRequest,
     VersionSpan,
     spans_of,
     versions_of,
 )
-from dynarl.backends.serving._role import CACHED_TOKENS, EngineRollout
+from dynarl.backends.serving._role import CACHED_TOKENS, EngineInference, EngineRollout
 from dynarl.backends.serving._setup import SETUP_OPTION, EngineSetup
 
 __all__ = [
@@ -36,6 +39,7 @@ __all__ = [
     "PAUSE_MODES",
     "SETUP_OPTION",
     "Engine",
+    "EngineInference",
     "EngineLoad",
     "EngineOutput",
     "EngineRequest",
@@ -43,6 +47,7 @@ __all__ = [
     "EngineSetup",
     "FinishReason",
     "PauseMode",
+    "ScoreRequest",
     "VersionSpan",
     "spans_of",
     "versions_of",

@@ -1,4 +1,5 @@
-"""``EngineRollout``: real inference engines (vLLM, SGLang) as the rollout role.
+"""Real inference engines (vLLM, SGLang) as runtime roles: ``EngineRollout`` generates,
+``EngineInference`` scores.
 
 One engine per device (:class:`~dynarl.backends.serving.EngineSetup`): the worker launches
 its server on ``start()`` and stops it on ``close()`` (or attaches to a running one). The
@@ -25,6 +26,11 @@ leaves the job, which treats the device as lost: its requests continue on the ot
 engines and the device is reclaimed. A server the role attached to is not its to watch;
 its failures stay BackendErrors on the requests.
 
+``EngineInference`` shares all of that (life cycle, load, loss, version label) and serves
+``Sample``s instead: each comes back with ``logprobs`` replaced by the engine's log-prob of
+every token after the first (:meth:`Engine.score`), as the reference inference role
+answers; a score is one prefill, so ``abort()`` lets it finish.
+
 Runs on the worker's event loop; no compute thread is needed (the engine is another
 process).
 """
@@ -34,9 +40,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
 
-from dynarl.backends._engine import Engine, EngineLoad, EngineOutput, EngineRequest
+from dynarl.backends._engine import (
+    Engine,
+    EngineLoad,
+    EngineOutput,
+    EngineRequest,
+    ScoreRequest,
+)
 from dynarl.backends.serving._setup import EngineSetup
 from dynarl.bus import (
     GenerationRequest,
@@ -52,7 +65,7 @@ from dynarl.runtime import FINISH, VERSIONS, encode_versions
 from dynarl.runtime.worker import RoleContext, RoleMetrics
 from dynarl.types import ComponentKind
 
-__all__ = ["CACHED_TOKENS", "EngineRollout"]
+__all__ = ["CACHED_TOKENS", "EngineInference", "EngineRollout"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +76,15 @@ _ABORT_ROUND_S = 0.05
 _ABORT_DEADLINE_S = 30.0
 _EXIT_POLLS, _EXIT_POLL_S = 20, 0.05
 """After a failed request: how long to look for the engine's exit status (1 s)."""
+T = TypeVar("T")
 
 
-class EngineRollout(WorkerGroup, kind=ComponentKind.ROLLOUT, name="rollout"):
-    """A real engine per device as the rollout role (see the module docstring); options:
-    an :class:`EngineSetup` (``EngineSetup(...).to_options()``)."""
+class _EngineRole(WorkerGroup, abstract=True):
+    """What both engine roles share: one engine per device, its life cycle, its load, its
+    loss, its weight-version label (see the module docstring)."""
+
+    role = "engine"
+    """The role's name in messages."""
 
     def __init__(self, ctx: RoleContext) -> None:
         self.ctx = ctx
@@ -75,7 +92,7 @@ class EngineRollout(WorkerGroup, kind=ComponentKind.ROLLOUT, name="rollout"):
         self.engine: Engine | None = None
         self.version = 0
         """The weight version in force (the label the engine reports)."""
-        self._inflight: dict[str, asyncio.Task[EngineOutput]] = {}
+        self._inflight: dict[str, asyncio.Task[Any]] = {}
         self._ids = itertools.count()
         self._load: EngineLoad | None = None
         self._completed = 0
@@ -135,7 +152,32 @@ class EngineRollout(WorkerGroup, kind=ComponentKind.ROLLOUT, name="rollout"):
                 self._load = await engine.load()
             except BackendError as exc:
                 self._raise_if_lost(engine, exc)
-                logger.warning("rollout on device %d: load read failed: %s", self.ctx.device, exc)
+                logger.warning(
+                    "%s on device %d: load read failed: %s", self.role, self.ctx.device, exc
+                )
+
+    def _started(self) -> Engine:
+        """The engine; BackendError before :meth:`start`."""
+        if self.engine is None:
+            raise BackendError(f"{self.role} on device {self.ctx.device}: not started")
+        return self.engine
+
+    async def _tracked(self, request_id: str, call: Awaitable[T]) -> T:
+        """Await ``call`` as the in-flight request ``request_id``: a cancelled caller aborts
+        it; a failure of an engine that has died raises EngineLostError."""
+        engine = self._started()
+        task = asyncio.ensure_future(call)
+        self._inflight[request_id] = task
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await self._abort([request_id])
+            raise
+        except BackendError as exc:
+            await self._raise_if_exited(engine, exc)
+            raise
+        finally:
+            self._inflight.pop(request_id, None)
 
     async def _raise_if_exited(self, engine: Engine, exc: BackendError) -> None:
         """EngineLostError if the failed request's engine process has ended, once it has
@@ -150,73 +192,8 @@ class EngineRollout(WorkerGroup, kind=ComponentKind.ROLLOUT, name="rollout"):
         cause = engine.exit_cause
         if cause is not None:
             raise EngineLostError(
-                f"rollout on device {self.ctx.device}: engine {engine.name} {cause}"
+                f"{self.role} on device {self.ctx.device}: engine {engine.name} {cause}"
             ) from exc
-
-    # ------------------------------------------------------------------ serving
-
-    async def serve(self, item: GenerationRequest | Sample) -> Sample:
-        """Generate ``item`` (see the module docstring). TypeError for a ``Sample``;
-        BackendError if the engine fails the request."""
-        if not isinstance(item, GenerationRequest):
-            raise TypeError(f"the rollout serves GenerationRequests, not {type(item).__name__}")
-        engine = self.engine
-        if engine is None:
-            raise BackendError(f"rollout on device {self.ctx.device}: serve before start")
-        context = tuple(int(t) for t in unpack_tokens(item.token_ids))
-        request = EngineRequest(
-            request_id=f"{item.sample_id}#{self.ctx.device}.{next(self._ids)}",
-            token_ids=context,
-            max_new_tokens=item.max_new_tokens,
-            temperature=item.temperature,
-            top_p=item.top_p,
-            seed=item.seed,
-            stop_token_ids=self.setup.stop_token_ids,
-            ignore_eos=self.setup.ignore_eos,
-            priority=item.priority,
-        )
-        task = asyncio.ensure_future(engine.generate(request))
-        self._inflight[request.request_id] = task
-        try:
-            output = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            await self._abort([request.request_id])
-            raise
-        except BackendError as exc:
-            await self._raise_if_exited(engine, exc)
-            raise
-        finally:
-            self._inflight.pop(request.request_id, None)
-        if not output.aborted:
-            self._completed += 1
-        self._prompted += output.prompt_tokens
-        self._cached += output.cached_tokens
-        return self._sample(item, context, output)
-
-    def _sample(
-        self, item: GenerationRequest, context: tuple[int, ...], out: EngineOutput
-    ) -> Sample:
-        versions = [_version(label) for label in out.token_versions()]
-        meta: dict[str, MetaValue] = {
-            **item.metadata,
-            FINISH: out.finish,
-            VERSIONS: encode_versions(versions),
-            CACHED_TOKENS: out.cached_tokens,
-            "device": self.ctx.device,
-        }
-        return Sample(
-            sample_id=item.sample_id,
-            token_ids=pack_tokens(context + out.token_ids),
-            prompt_len=len(context),
-            prompt_id=item.prompt_id,
-            logprobs=pack_floats(out.logprobs),
-            policy_version=versions[-1] if versions else self.version,
-            metadata=meta,
-        )
-
-    async def abort(self) -> None:
-        """Make every pending ``serve`` return its partial output now."""
-        await self._abort(list(self._inflight))
 
     async def _abort(self, request_ids: Sequence[str]) -> None:
         engine = self.engine
@@ -250,15 +227,116 @@ class EngineRollout(WorkerGroup, kind=ComponentKind.ROLLOUT, name="rollout"):
         self, samples: Sequence[Sample], *, version: int
     ) -> dict[str, MetaValue]:
         """Label the weights in force ``version``: tokens sampled from now on report it."""
-        if self.engine is None:
-            raise BackendError(f"rollout on device {self.ctx.device}: not started")
-        await self.engine.set_weight_version(str(version))
+        await self._started().set_weight_version(str(version))
         self.version = version
         return {"version": version}
 
     def weight_version(self, samples: Sequence[Sample]) -> dict[str, MetaValue]:
         """The weight version in force (-1 before start)."""
         return {"version": self.version if self.engine is not None else -1}
+
+
+class EngineRollout(_EngineRole, kind=ComponentKind.ROLLOUT, name="rollout"):
+    """A real engine per device as the rollout role (see the module docstring); options:
+    an :class:`EngineSetup` (``EngineSetup(...).to_options()``)."""
+
+    role = "rollout"
+
+    # ------------------------------------------------------------------ serving
+
+    async def serve(self, item: GenerationRequest | Sample) -> Sample:
+        """Generate ``item`` (see the module docstring). TypeError for a ``Sample``;
+        BackendError if the engine fails the request."""
+        if not isinstance(item, GenerationRequest):
+            raise TypeError(f"the rollout serves GenerationRequests, not {type(item).__name__}")
+        engine = self._started()
+        context = tuple(int(t) for t in unpack_tokens(item.token_ids))
+        request = EngineRequest(
+            request_id=f"{item.sample_id}#{self.ctx.device}.{next(self._ids)}",
+            token_ids=context,
+            max_new_tokens=item.max_new_tokens,
+            temperature=item.temperature,
+            top_p=item.top_p,
+            seed=item.seed,
+            stop_token_ids=self.setup.stop_token_ids,
+            ignore_eos=self.setup.ignore_eos,
+            priority=item.priority,
+        )
+        output = await self._tracked(request.request_id, engine.generate(request))
+        if not output.aborted:
+            self._completed += 1
+        self._prompted += output.prompt_tokens
+        self._cached += output.cached_tokens
+        return self._sample(item, context, output)
+
+    def _sample(
+        self, item: GenerationRequest, context: tuple[int, ...], out: EngineOutput
+    ) -> Sample:
+        versions = [_version(label) for label in out.token_versions()]
+        meta: dict[str, MetaValue] = {
+            **item.metadata,
+            FINISH: out.finish,
+            VERSIONS: encode_versions(versions),
+            CACHED_TOKENS: out.cached_tokens,
+            "device": self.ctx.device,
+        }
+        return Sample(
+            sample_id=item.sample_id,
+            token_ids=pack_tokens(context + out.token_ids),
+            prompt_len=len(context),
+            prompt_id=item.prompt_id,
+            logprobs=pack_floats(out.logprobs),
+            policy_version=versions[-1] if versions else self.version,
+            metadata=meta,
+        )
+
+    async def abort(self) -> None:
+        """Make every pending ``serve`` return its partial output now."""
+        await self._abort(list(self._inflight))
+
+
+class EngineInference(_EngineRole, kind=ComponentKind.INFERENCE, name="inference"):
+    """A real engine per device as an inference component: scores sequences under the
+    weights it holds (a reference policy, or the old policy's log-probs recomputed). A
+    ``Sample`` in, the same sample out with ``logprobs`` replaced by the log-prob of each
+    of its tokens after the first (``len(tokens) - 1`` of them), as
+    :class:`~dynarl.backends.reference.ReferenceInference` answers; options: an
+    :class:`EngineSetup`."""
+
+    role = "inference"
+
+    async def serve(self, item: GenerationRequest | Sample) -> Sample:
+        """Score ``item``'s tokens. TypeError for a request, ValueError for a sample of
+        fewer than two tokens; BackendError if the engine fails it."""
+        if not isinstance(item, Sample):
+            raise TypeError(f"inference serves Samples, not {type(item).__name__}")
+        engine = self._started()
+        tokens = tuple(int(t) for t in unpack_tokens(item.token_ids))
+        request = ScoreRequest(
+            request_id=f"{item.sample_id}#{self.ctx.device}.{next(self._ids)}",
+            token_ids=tokens,
+        )
+        logprobs = await self._tracked(request.request_id, engine.score(request))
+        self._completed += 1
+        meta: dict[str, MetaValue] = {
+            **item.metadata,
+            "scored": engine.name,
+            FINISH: "stop",
+            "device": self.ctx.device,
+        }
+        return Sample(
+            sample_id=item.sample_id,
+            token_ids=item.token_ids,
+            prompt_len=item.prompt_len,
+            prompt_id=item.prompt_id,
+            reward=item.reward,
+            logprobs=pack_floats(logprobs),
+            policy_version=item.policy_version,
+            metadata=meta,
+        )
+
+    async def abort(self) -> None:
+        """Nothing to cut short: each score is one prefill, and it finishes."""
 
 
 def _version(label: str) -> int:

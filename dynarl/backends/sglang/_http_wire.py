@@ -88,6 +88,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
     """Stable identity shared by the turns of one episode (does not change the prompt)."""
     return_logprob: bool | None = None
     """Return each output token's log-probability (``meta_info.output_token_logprobs``)."""
+    logprob_start_len: int | None = None
+    """With ``return_logprob``: also the prompt's log-probs from this token on
+    (``meta_info.input_token_logprobs``; the first entry's is null). The prefix cache is
+    matched no further than here, so 0 recomputes the whole prompt."""
 
     def __post_init__(self) -> None:
         if not self.rid:
@@ -132,6 +136,7 @@ class _MetaInfo(msgspec.Struct, frozen=True, kw_only=True):
     weight_versions: list[WeightVersionSpan] | None = None
     num_retractions: int = 0
     output_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+    input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
 
 
 class _GenerateReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -168,6 +173,9 @@ class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
     output_token_logprobs: tuple[tuple[float | None, int], ...] | None = None
     """``(log-probability, token id)`` of each output token, when ``return_logprob`` was
     set (SGLang sends ``[logprob, token_id, text]``; the text is dropped)."""
+    input_token_logprobs: tuple[tuple[float | None, int], ...] | None = None
+    """``(log-probability, token id)`` of each prompt token from ``logprob_start_len`` on
+    (the first one's log-probability is None)."""
 
     @property
     def finished(self) -> bool:
@@ -202,12 +210,18 @@ def decode_generate_result(body: bytes | dict[str, Any], rid: str) -> GenerateRe
         weight_version=meta.weight_version,
         num_retractions=meta.num_retractions,
         weight_versions=tuple(meta.weight_versions) if meta.weight_versions is not None else None,
-        output_token_logprobs=(
-            tuple((logprob, token) for logprob, token, _ in meta.output_token_logprobs)
-            if meta.output_token_logprobs is not None
-            else None
-        ),
+        output_token_logprobs=_pairs(meta.output_token_logprobs),
+        input_token_logprobs=_pairs(meta.input_token_logprobs),
     )
+
+
+def _pairs(
+    entries: list[tuple[float | None, int, str | None]] | None,
+) -> tuple[tuple[float | None, int], ...] | None:
+    """SGLang's ``[logprob, token_id, text]`` entries without their text."""
+    if entries is None:
+        return None
+    return tuple((logprob, token) for logprob, token, _ in entries)
 
 
 class ControlResult(msgspec.Struct, frozen=True, kw_only=True):

@@ -7,6 +7,8 @@ native API (measured in ``docs/engines.md``):
 
 - **generate**: ``/generate`` from token ids with ``return_logprob``; the log-probs come
   from ``meta_info.output_token_logprobs``, the versions from ``meta_info.weight_versions``.
+  **Scoring** is one greedy token with ``logprob_start_len=0``: the prompt's log-probs come
+  from ``meta_info.input_token_logprobs`` (the first token's is null and is dropped).
   Priority is SGLang's own (higher first, as dynarl's) and is passed as it is; a launched
   server gets ``--enable-priority-scheduling``, an attached one needs it;
 - **request ids**: SGLang aborts every in-flight request whose id *starts with* the one
@@ -38,7 +40,9 @@ from dynarl.backends._engine import (
     EngineRequest,
     FinishReason,
     PauseMode,
+    ScoreRequest,
     VersionSpan,
+    check_scores,
     versions_of,
 )
 from dynarl.backends._server_engine import ServerEngine
@@ -109,6 +113,31 @@ class SGLangServerEngine(ServerEngine[SGLangServer, SGLangClient]):
         self._cached_tokens += output.cached_tokens
         self._retractions += result.num_retractions
         return output
+
+    async def score(self, request: ScoreRequest) -> tuple[float, ...]:
+        """Each token's log-prob after the first (``input_token_logprobs``); BackendError
+        naming the engine if the reply does not give them for these tokens."""
+        wire = GenerateRequest(
+            rid=wire_rid(request.request_id),
+            input_ids=list(request.token_ids),
+            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
+            priority=request.priority,
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+        result = await self.client.generate(wire)
+        what = f"engine {self.name}: score {request.request_id!r}"
+        if result.rid != wire.rid:
+            raise BackendError(f"{what}: the reply is for rid {result.rid!r}")
+        if result.aborted:
+            raise BackendError(f"{what}: aborted ({result.finish_reason})")
+        pairs = result.input_token_logprobs
+        if pairs is None or tuple(token for _, token in pairs) != request.token_ids:
+            raise BackendError(f"{what}: input_token_logprobs are not for the tokens sent")
+        values = [logprob for logprob, _ in pairs[1:]]
+        if any(value is None for value in values):
+            raise BackendError(f"{what}: a prompt token after the first has a null log-prob")
+        return check_scores(request, [value for value in values if value is not None])
 
     async def abort(self, request_id: str) -> None:
         """Abort one request by its id (a request not in flight is left alone)."""

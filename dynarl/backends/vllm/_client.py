@@ -30,9 +30,11 @@ from dynarl.backends.vllm._wire import (
     PauseMode,
     VLLMLoad,
     decode_generate_reply,
+    decode_score_reply,
     engine_request_id,
     parse_metrics,
     request_body,
+    score_body,
 )
 from dynarl.errors import BackendError
 
@@ -102,6 +104,25 @@ class VLLMClient(HttpClient):
         except (msgspec.DecodeError, ValueError) as exc:
             raise BackendError(
                 f"vLLM generate {request.request_id}: bad reply {reply.body[:200]!r}: {exc}"
+            ) from exc
+
+    async def score(
+        self, request_id: str, token_ids: Sequence[int], *, priority: int = 0
+    ) -> tuple[float, ...]:
+        """The log-prob of each of ``token_ids`` after the first, given those before it
+        (``prompt_logprobs``; one prefill). Raises BackendError as :meth:`generate` does."""
+        tokens = list(token_ids)
+        reply = await self._call(
+            "POST",
+            "/inference/v1/generate",
+            body=score_body(request_id, tokens, priority),
+            timeout_s=self.config.generate_timeout_s,
+        )
+        try:
+            return decode_score_reply(reply.body, request_id, tokens)
+        except (msgspec.DecodeError, ValueError) as exc:
+            raise BackendError(
+                f"vLLM score {request_id}: bad reply {reply.body[:200]!r}: {exc}"
             ) from exc
 
     async def abort(self, request_id: str) -> None:

@@ -16,7 +16,9 @@ from dynarl.backends._engine import (
     EngineOutput,
     EngineRequest,
     PauseMode,
+    ScoreRequest,
     VersionSpan,
+    check_scores,
 )
 from dynarl.backends._server_engine import ServerEngine
 from dynarl.backends.vllm._client import VLLMClient, VLLMClientConfig
@@ -58,6 +60,13 @@ class VLLMEngine(ServerEngine[VLLMServer, VLLMClient]):
         """Run ``request`` (an abort returns its partial output)."""
         result = await self.client.generate(_vllm_request(request))
         return _output(result)
+
+    async def score(self, request: ScoreRequest) -> tuple[float, ...]:
+        """Each token's log-prob after the first (vLLM's ``prompt_logprobs``)."""
+        values = await self.client.score(
+            request.request_id, request.token_ids, priority=request.priority
+        )
+        return check_scores(request, values)
 
     async def abort(self, request_id: str) -> None:
         """Abort one request by its id."""

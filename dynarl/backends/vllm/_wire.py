@@ -10,6 +10,10 @@ differences from dynarl's conventions are translated here, once:
   the prefixed id; :func:`engine_request_id` adds the prefix and :func:`decode_generate_reply`
   takes it off again.
 
+Scoring a sequence (an inference component's log-probs) is one generate call for one token
+with ``prompt_logprobs=0``: vLLM answers the log-prob of every prompt token after the first
+(:func:`score_body`, :func:`decode_score_reply`).
+
 Replies are checked for consistency (one choice, a log-prob for each token id, version
 spans that cover the output): a reply that is not raises ``ValueError`` or
 ``msgspec.ValidationError``. Load figures come from the Prometheus text of ``/metrics``
@@ -31,9 +35,11 @@ __all__ = [
     "VLLMLoad",
     "WeightVersionSpan",
     "decode_generate_reply",
+    "decode_score_reply",
     "engine_request_id",
     "parse_metrics",
     "request_body",
+    "score_body",
     "vllm_priority",
 ]
 
@@ -128,6 +134,55 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
         "priority": vllm_priority(request.priority),
         "stream": False,
     }
+
+
+def score_body(request_id: str, token_ids: list[int], priority: int = 0) -> dict[str, Any]:
+    """The ``/inference/v1/generate`` JSON body that scores ``token_ids``: one greedy token
+    (discarded) and each prompt token's log-prob (``prompt_logprobs=0``: the token's own,
+    no alternatives)."""
+    if not request_id:
+        raise ValueError("a score request needs a non-empty request_id")
+    if len(token_ids) < 2 or min(token_ids) < 0:
+        raise ValueError(f"score {request_id!r}: needs >= 2 token ids, none negative")
+    sampling = msgspec.to_builtins(SamplingParams(max_tokens=1, temperature=0.0))
+    return {
+        "request_id": request_id,
+        "token_ids": list(token_ids),
+        "sampling_params": sampling | {"prompt_logprobs": 0},
+        "priority": vllm_priority(priority),
+        "stream": False,
+    }
+
+
+class _PromptLogProb(msgspec.Struct, frozen=True):
+    logprob: float
+
+
+class _ScoreReply(msgspec.Struct, frozen=True):
+    request_id: str
+    prompt_logprobs: list[dict[int, _PromptLogProb] | None] | None = None
+
+
+def decode_score_reply(body: bytes, request_id: str, token_ids: list[int]) -> tuple[float, ...]:
+    """The log-prob of each of ``token_ids`` after the first, from a reply to
+    :func:`score_body`.
+
+    Raises ``msgspec.ValidationError`` if ``body`` is not such a reply, ValueError if it is
+    one but for another request, or its prompt log-probs do not match ``token_ids``.
+    """
+    reply = msgspec.json.decode(body, type=_ScoreReply)
+    if reply.request_id != engine_request_id(request_id):
+        raise ValueError(f"reply for {reply.request_id!r}, expected {request_id!r}")
+    entries = reply.prompt_logprobs
+    if entries is None or len(entries) != len(token_ids):
+        count = "none" if entries is None else len(entries)
+        raise ValueError(f"{count} prompt log-probs for {len(token_ids)} prompt tokens")
+    out: list[float] = []
+    for position, (token, entry) in enumerate(zip(token_ids[1:], entries[1:], strict=True)):
+        if entry is None or token not in entry:
+            raise ValueError(f"no log-prob for prompt token {token} at position {position + 1}")
+        out.append(entry[token].logprob)
+    return tuple(out)
 
 
 class WeightVersionSpan(msgspec.Struct, frozen=True, kw_only=True):

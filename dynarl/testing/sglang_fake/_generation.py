@@ -113,6 +113,18 @@ class GenerationEndpoints:
             )
         return priority
 
+    def _logprob_start_len(self, body: schema.GenerateReqInput) -> int:
+        start = body.logprob_start_len
+        if body.return_logprob is not True or not isinstance(start, int) or start < 0:
+            return -1
+        prompt_len = len(self._prompt(body))
+        if start > prompt_len:
+            raise ValueError(
+                f"req.logprob_start_len={start} is higher than the number of input tokens "
+                f"len(req.origin_input_ids)={prompt_len}. Please use a smaller logprob_start_len."
+            )
+        return start
+
     async def _admit(self, body: schema.GenerateReqInput, sampling: dict[str, Any]) -> Req:
         """The tokenizer manager's path: register, wait out pauses, validate, enqueue."""
         scheduler = self.scheduler
@@ -125,6 +137,7 @@ class GenerationEndpoints:
             priority=self._priority(body),
             stream=body.stream,
             return_logprob=body.return_logprob is True,
+            logprob_start_len=self._logprob_start_len(body),
         )
         scheduler.register(req)
         await scheduler.notify()

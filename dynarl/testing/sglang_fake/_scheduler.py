@@ -15,7 +15,10 @@ HTTP boundary (sources in the pinned wheel, ``srt/managers``):
 - pause ``abort`` blocks new requests and aborts everything; ``retract`` and ``in_place``
   also stop iterations (retract moves running requests back to waiting, freeing their KV);
 - with ``return_logprob`` each output token's log-probability comes back as
-  ``meta_info.output_token_logprobs`` (``[logprob, token_id, null]``); a final reply
+  ``meta_info.output_token_logprobs`` (``[logprob, token_id, null]``), and with
+  ``logprob_start_len = k >= 0`` the prompt's from token ``k`` on as
+  ``input_token_logprobs`` (the first entry's log-prob null, as SGLang's is; the prefix
+  cache is matched no further than ``k``); a final reply
   carries ``meta_info.weight_versions``, the spans of output tokens per weight version
   (:mod:`._versions`), as SGLang's output streamer and tokenizer manager compute them;
 - "idle" for flush and memory release is SGLang's ``is_fully_idle``: nothing running, and
@@ -37,7 +40,12 @@ from typing import Any
 
 from dynarl.testing.sglang_fake._cache import PrefixCache, PrefixNode
 from dynarl.testing.sglang_fake._fake_config import FakeSGLangConfig
-from dynarl.testing.sglang_fake._versions import VersionEvent, next_token, version_spans
+from dynarl.testing.sglang_fake._versions import (
+    VersionEvent,
+    next_token,
+    token_logprob,
+    version_spans,
+)
 
 __all__ = ["FakeScheduler", "Req", "SchedulerCrashed"]
 
@@ -65,6 +73,8 @@ class Req:
     arrival: float
     seq: int
     return_logprob: bool = False
+    logprob_start_len: int = -1
+    """Where prompt log-probs start (-1: none are returned)."""
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     version_events: list[VersionEvent] = field(default_factory=list)
@@ -79,6 +89,17 @@ class Req:
     @property
     def seqlen(self) -> int:
         return len(self.prompt) + len(self.output)
+
+
+def _prompt_logprobs(prompt: list[int], start: int) -> list[list[Any]]:
+    """``meta_info.input_token_logprobs`` from prompt token ``start`` on (none for -1)."""
+    if not 0 <= start < len(prompt):
+        return []
+    scored = [
+        [token_logprob(prompt[:index], prompt[index]), prompt[index], None]
+        for index in range(start + 1, len(prompt))
+    ]
+    return [[None, prompt[start], None], *scored]
 
 
 def _text(token_ids: list[int]) -> str:
@@ -281,7 +302,11 @@ class FakeScheduler:
         sequence = req.prompt + req.output
         use_cache = not self.config.disable_radix_cache
         # The last token is always computed (its logits sample the next one), as in SGLang.
-        matched, node = self.cache.match(sequence[:-1]) if use_cache else (0, self.cache.root)
+        matchable = len(sequence) - 1
+        if req.return_logprob and req.logprob_start_len >= 0:
+            matchable = min(matchable, req.logprob_start_len)  # its logits are needed
+        root = (0, self.cache.root)
+        matched, node = self.cache.match(sequence[:matchable]) if use_cache else root
         self.cache.lock(node)  # keep the matched prefix through the eviction below
         reserved = sum(r.max_new_tokens - len(r.output) for r in self.running)
         need = len(sequence) - matched + req.max_new_tokens - len(req.output) + reserved
@@ -391,7 +416,7 @@ class FakeScheduler:
     @staticmethod
     def _add_logprobs(meta: dict[str, Any], req: Req) -> None:
         if req.return_logprob:
-            meta["input_token_logprobs"] = []
+            meta["input_token_logprobs"] = _prompt_logprobs(req.prompt, req.logprob_start_len)
             meta["output_token_logprobs"] = [
                 [logprob, token, None]
                 for logprob, token in zip(req.logprobs, req.output, strict=True)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["VersionEvent", "next_token", "version_spans"]
+__all__ = ["VersionEvent", "next_token", "token_logprob", "version_spans"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +33,24 @@ class VersionEvent:
 def next_token(sequence: Sequence[int]) -> tuple[int, float]:
     """The token after ``sequence`` (a lowercase letter, from its last three tokens and its
     length) and its log-probability (in [-4, -1/1024], from the same inputs)."""
+    mixed = _mixed(sequence)
+    return 97 + mixed % 26, -(1 + (mixed * 7919) % 4096) / 1024
+
+
+def token_logprob(sequence: Sequence[int], token: int) -> float:
+    """The fake model's log-probability of ``token`` after ``sequence`` (what scoring a
+    prompt reports): :func:`next_token`'s own for the token it would sample, and a value
+    in [-8, -4) from the same inputs for any other."""
+    sampled, logprob = next_token(sequence)
+    if token == sampled:
+        return logprob
+    return -4 - ((_mixed(sequence) + token) * 104729 % 4096) / 1024
+
+
+def _mixed(sequence: Sequence[int]) -> int:
     tail = sequence[-3:]
     mixed = sum((token + 1) * weight for token, weight in zip(tail, (7, 31, 17), strict=False))
-    mixed += 13 * len(sequence)
-    return 97 + mixed % 26, -(1 + (mixed * 7919) % 4096) / 1024
+    return mixed + 13 * len(sequence)
 
 
 def version_spans(

@@ -1,0 +1,89 @@
+"""The serving role reused for inference (marker ``dist``): a job whose rollout and
+inference components both run :class:`~dynarl.backends.serving.EngineSetup` engines, one
+generating (:class:`~dynarl.backends.serving.EngineRollout`) and one scoring what it
+generated (:class:`~dynarl.backends.serving.EngineInference`).
+
+Both launch the SGLang fake (``dynarl.testing.sglang_fake``, a real HTTP server in its own
+process, fast to start) on their device. Each rollout sample sent to the inference
+component comes back with the log-prob of every token after the first: over the response,
+the log-probs it was sampled with; over the prompt, the fake model's own. Bounded by
+timeouts; no timing is asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from dynarl.backends.serving import EngineInference, EngineRollout, EngineSetup
+from dynarl.bus import GenerationRequest, Sample, pack_tokens, unpack_floats, unpack_tokens
+from dynarl.runtime import ComponentSpec, Job, JobConfig, RuntimeConfig
+from dynarl.sched import SchedulerConfig
+from dynarl.testing.sglang_fake._versions import token_logprob
+
+pytestmark = pytest.mark.dist
+
+NUM = 4
+
+
+def setup(tmp_path: Path, name: str) -> EngineSetup:
+    return EngineSetup(
+        kind="sglang",
+        model="fake-model",
+        module="dynarl.testing.sglang_fake",
+        log_dir=str(tmp_path / name),
+        startup_timeout_s=60.0,
+    )
+
+
+async def collect(job: Job, component: str, num: int) -> dict[str, Sample]:
+    out = job.output(component)
+    got: dict[str, Sample] = {}
+    while len(got) < num:
+        sample = await out.get()
+        assert sample.sample_id not in got, f"{sample.sample_id} delivered twice"
+        got[sample.sample_id] = sample
+    return got
+
+
+def test_an_inference_component_scores_what_the_rollout_generated(tmp_path: Path) -> None:
+    specs = [
+        ComponentSpec(
+            role=EngineRollout, devices=(0,), options=setup(tmp_path, "rollout").to_options()
+        ),
+        ComponentSpec(
+            role=EngineInference, devices=(1,), options=setup(tmp_path, "scorer").to_options()
+        ),
+    ]
+    runtime = RuntimeConfig(scheduler=SchedulerConfig(observe_only=True))
+    config = JobConfig(run_dir=str(tmp_path / "run"), runtime=runtime)
+    requests = [
+        GenerationRequest(
+            sample_id=f"s{i}", token_ids=pack_tokens([3, i, 5, 7]), max_new_tokens=10 + i
+        )
+        for i in range(NUM)
+    ]
+
+    async def main() -> tuple[dict[str, Sample], dict[str, Sample]]:
+        async with asyncio.timeout(120), Job(specs, config) as job:
+            job.submit("rollout", requests)
+            generated = await collect(job, "rollout", NUM)
+            job.submit("inference", list(generated.values()))
+            return generated, await collect(job, "inference", NUM)
+
+    generated, scored = asyncio.run(main())
+    for sample_id, sample in generated.items():
+        tokens = list(unpack_tokens(sample.token_ids))
+        out = scored[sample_id]
+        logprobs = list(unpack_floats(out.logprobs))
+        assert list(unpack_tokens(out.token_ids)) == tokens
+        assert out.prompt_len == sample.prompt_len == 4
+        assert len(logprobs) == len(tokens) - 1
+        # The response: the log-probs it was sampled with; the prompt: the model's own.
+        assert logprobs[3:] == pytest.approx(list(unpack_floats(sample.logprobs)), abs=1e-6)
+        assert logprobs[:3] == pytest.approx(
+            [token_logprob(tokens[:i], tokens[i]) for i in range(1, 4)], abs=1e-6
+        )
+        assert out.metadata["device"] == 1 and sample.metadata["device"] == 0
