@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
+import msgspec
+
 from dynarl.backends.reference._gpt import local_world
 from dynarl.backends.reference._logprob import LogProbWorker
 from dynarl.backends.reference._request import FinishReason, GenerationOutput, PendingRequest
@@ -336,16 +338,7 @@ class ReferenceInference(WorkerGroup, kind=ComponentKind.INFERENCE, name="infere
         tokens = [int(t) for t in unpack_tokens(item.token_ids)]
         (logprobs,) = await self.ctx.compute(worker.compute, [tokens])
         meta = {**item.metadata, "scored": "reference", FINISH: "stop"}
-        return Sample(
-            sample_id=item.sample_id,
-            token_ids=item.token_ids,
-            prompt_len=item.prompt_len,
-            prompt_id=item.prompt_id,
-            reward=item.reward,
-            logprobs=pack_floats(logprobs),
-            policy_version=item.policy_version,
-            metadata=meta,
-        )
+        return msgspec.structs.replace(item, logprobs=pack_floats(logprobs), metadata=meta)
 
     async def abort(self) -> None:
         """Nothing to cut short: each score is one forward pass."""

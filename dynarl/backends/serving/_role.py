@@ -43,6 +43,8 @@ import logging
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
+import msgspec
+
 from dynarl.backends._engine import (
     Engine,
     EngineLoad,
@@ -324,16 +326,7 @@ class EngineInference(_EngineRole, kind=ComponentKind.INFERENCE, name="inference
             FINISH: "stop",
             "device": self.ctx.device,
         }
-        return Sample(
-            sample_id=item.sample_id,
-            token_ids=item.token_ids,
-            prompt_len=item.prompt_len,
-            prompt_id=item.prompt_id,
-            reward=item.reward,
-            logprobs=pack_floats(logprobs),
-            policy_version=item.policy_version,
-            metadata=meta,
-        )
+        return msgspec.structs.replace(item, logprobs=pack_floats(logprobs), metadata=meta)
 
     async def abort(self) -> None:
         """Nothing to cut short: each score is one prefill, and it finishes."""
