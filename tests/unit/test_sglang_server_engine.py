@@ -34,6 +34,7 @@ from dynarl.backends.sglang._http_wire import (
 )
 from dynarl.backends.sglang._server_engine import wire_rid
 from dynarl.backends.sglang._server_launcher import launch_command
+from dynarl.backends.vllm import VLLMEngine, VLLMInProcessEngine
 from dynarl.bus import GenerationRequest, Sample, pack_floats, pack_tokens, unpack_tokens
 from dynarl.errors import BackendError
 from dynarl.runtime import FINISH
@@ -387,6 +388,21 @@ def test_engine_setup_launch_maps_its_fields_onto_sglang_flags(tmp_path: pathlib
     assert dict(config.env) == {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "2"}
     assert config.log_path == str(tmp_path / "device-3" / "sglang.log")
     assert config.startup_timeout_s == 30.0
+
+
+def test_engine_setup_inprocess_mode_builds_vllm_in_the_worker_and_refuses_the_rest() -> None:
+    setup = EngineSetup(kind="vllm", mode="inprocess", model="/models/tiny", max_num_seqs=3)
+    engine = setup.build(2, cpus=(1,))
+    assert isinstance(engine, VLLMInProcessEngine) and engine.name == "vllm-inprocess@2"
+    assert engine.config.max_num_seqs == 3 and engine.config.cpus == (1,)
+    assert isinstance(EngineSetup(model="/models/tiny").build(2), VLLMEngine)
+    for wrong in (
+        {"kind": "sglang", "model": "m"},
+        {"urls": {"0": "http://127.0.0.1:1"}},
+        {"model": "m", "python": "/envs/vllm/bin/python"},
+    ):
+        with pytest.raises(ValueError, match="mode='inprocess' runs vLLM inside the worker"):
+            EngineSetup(mode="inprocess", **wrong)  # type: ignore[arg-type]
 
 
 def test_a_launched_engine_starts_serves_and_stops_its_server(tmp_path: pathlib.Path) -> None:

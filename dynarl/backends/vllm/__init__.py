@@ -6,6 +6,9 @@ client needs only ``aiohttp``, and vLLM may live in an environment of its own).
   in a run directory);
 - :class:`VLLMEngine` — one server as the engine the serving role drives
   (:mod:`dynarl.backends.serving`), launched or attached;
+- :class:`VLLMInProcessEngine` — vLLM's ``AsyncLLM`` inside the calling process as the
+  same engine (no HTTP; its engine core is still a child process), built from the config a
+  server would get;
 - :class:`VLLMClient` — typed async calls with deadlines: generate from token ids
   (:class:`GenerateRequest` → :class:`GenerateResult`: token ids, per-token log-probs,
   weight versions as :class:`WeightVersionSpan`), abort one or all (the waiting call gets
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 from dynarl.backends.vllm._client import VLLMClient, VLLMClientConfig
 from dynarl.backends.vllm._engine import VLLMEngine
+from dynarl.backends.vllm._inprocess import VLLMInProcessEngine
 from dynarl.backends.vllm._launcher import VLLMServer, VLLMServerConfig
 from dynarl.backends.vllm._weight_push import PushReport, WeightPusher
 from dynarl.backends.vllm._wire import (
@@ -45,6 +49,7 @@ __all__ = [
     "VLLMClient",
     "VLLMClientConfig",
     "VLLMEngine",
+    "VLLMInProcessEngine",
     "VLLMLoad",
     "VLLMServer",
     "VLLMServerConfig",

