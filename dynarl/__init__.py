@@ -30,7 +30,7 @@ from dynarl.errors import (
 from dynarl.types import Allocation, ComponentKind, MigrationKind, ParallelDims
 
 if TYPE_CHECKING:
-    from dynarl.runtime import ComponentSpec, Job, JobConfig, RuntimeConfig
+    from dynarl.runtime import ComponentSpec, Job, JobConfig, JobSpec, RuntimeConfig
 
 __version__ = "0.1.0"
 
@@ -47,6 +47,7 @@ __all__ = [
     "IntegrityError",
     "Job",
     "JobConfig",
+    "JobSpec",
     "LeaseExpiredError",
     "MigrationAborted",
     "MigrationError",
@@ -62,7 +63,7 @@ __all__ = [
     "WorkerLostError",
 ]
 
-_RUNTIME = frozenset({"ComponentSpec", "Job", "JobConfig", "RuntimeConfig"})
+_RUNTIME = frozenset({"ComponentSpec", "Job", "JobConfig", "JobSpec", "RuntimeConfig"})
 
 
 def __getattr__(name: str) -> Any:

@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# Two "nodes" on this machine, each its own torchrun, launching dynarl over CURVE.
+# Two "nodes" on this machine, each its own torchrun, launching a dynarl job over CURVE.
 #
 # What a real two-node launch does, on loopback: each node gets a CURVE key pair
 # (`dynarl keys`, run outside the job), every node trusts the public keys in one
 # allow-list directory, and each node runs one torchrun command, the same on every node
 # but for --key-file, which names that node's own secret key (c10d rendezvous; node 0
-# hosts it). Rank 0 runs the controller of examples/two_node_job.py, every rank a
-# worker; the bus is authenticated and encrypted (--curve; always on for a routable
-# --bind-host). On real machines: --rdzv-endpoint HOST0:PORT, --bind-host 0.0.0.0, the
-# key files provisioned on each node, and a --job-dir every node shares. See docs/torchrun.md.
+# hosts it). The job is the job file examples/torchrun_job.py (a reference GRPO job: a
+# rollout engine on device 0, a trainer on device 1): rank 0 runs its controller and its
+# loop, every rank a worker; the bus is authenticated and encrypted (--curve; always on
+# for a routable --bind-host). On real machines: --rdzv-endpoint HOST0:PORT, --bind-host
+# 0.0.0.0, the key files provisioned on each node, and a --job-dir every node shares. See
+# docs/torchrun.md.
 #
-# Usage: examples/torchrun_two_node.sh [NUM_SAMPLES]   (from the repository root; about 10 s)
+# Usage: examples/torchrun_two_node.sh [NUM_STEPS]   (from the repository root; about 20 s)
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PY="${PYTHON:-$HERE/../.venv/bin/python}"
-SAMPLES="${1:-8}"
+STEPS="${1:-2}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/dynarl-two-node.XXXXXX")"
 PIDS=()
 
@@ -46,10 +48,10 @@ for node in 0 1; do
         --nnodes 2 --nproc-per-node 1 \
         --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$PORT" --rdzv-id dynarl-two-node \
         --rdzv-conf "is_host=$((node == 0))" \
-        -m dynarl.runtime.launch --job two_node_job:JOB --job-dir "$WORK/job" \
+        -m dynarl.runtime.launch --job torchrun_job:job --job-dir "$WORK/job" \
         --curve --key-file "$WORK/keys/node$node.key_secret" --allowed-keys "$WORK/authorized" \
         --rendezvous-timeout 120 --log-level WARNING \
-        -- --samples "$SAMPLES" >"$WORK/node$node.log" 2>&1 &
+        -- --steps "$STEPS" >"$WORK/node$node.log" 2>&1 &
     PIDS+=("$!")
 done
 

@@ -1,4 +1,7 @@
-"""A stand-in job for the launcher tests, until the real controller and workers land.
+"""A hand-written job for the tests of the launcher alone: the launcher's own interface (a
+``LaunchedJob``: a controller coroutine on rank 0, a worker coroutine on every rank) with
+its rendezvous, CURVE and torchrun's restarts, without the runtime's controller and workers
+(``tests/dist/test_torchrun_job.py`` launches a real ``dynarl.Job`` from a job file).
 
 The controller journals an allocation, issues samples from a seekable source, has the
 workers "generate" them over the bus (a pure function of each sample's seed), "trains" a
@@ -43,7 +46,7 @@ from dynarl.runtime.durable._checkpoint import CheckpointRef
 from dynarl.runtime.durable._manifest import Manifest, step_digests
 from dynarl.runtime.durable._rng import capture_rng, restore_rng
 from dynarl.runtime.durable._source import SampleSource, SourceConfig, Ticket
-from dynarl.runtime.launch import ControllerContext, WorkerContext
+from dynarl.runtime.launch._torchrun import ControllerContext, WorkerContext
 from dynarl.types import Allocation
 
 # Generous: freshly started ranks import torch on a loaded 2-core machine.
@@ -123,7 +126,7 @@ def reference(options: Options) -> dict[str, Any]:
 
 
 class StandInJob:
-    """The :class:`~dynarl.runtime.launch.LaunchedJob` the tests launch."""
+    """The ``LaunchedJob`` the launcher's tests launch."""
 
     async def controller(self, context: ControllerContext) -> None:
         options = parse(context.config.args)

@@ -2,6 +2,9 @@
 
 - :class:`Job`: dynarl embedded in the user's own loop (``async with dynarl.Job(...)``),
   made of :class:`ComponentSpec` s, a :class:`JobConfig` and a :class:`RuntimeConfig`;
+  :class:`JobSpec`: a whole job in one module (components, configuration, the driving
+  loop), run here (``JobSpec.run``) or across nodes by torchrun
+  (``python -m dynarl.runtime.launch --job module:JOB``);
   :class:`DurableRun` (:class:`DurableConfig`) around a durable job's loop (checkpoint,
   resume, recover from a dead worker: :class:`Recovery`);
 - roles see a :class:`RoleContext` and report :class:`RoleMetrics`; a call's reply is a
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from dynarl.runtime._durable_run import DurableConfig, DurableRun, Recovery
 from dynarl.runtime._job import Job, JobConfig
+from dynarl.runtime._job_spec import JobSpec
 from dynarl.runtime._spec import ComponentSpec, RuntimeConfig
 from dynarl.runtime._worker_protocol import (
     FINISH,
@@ -48,6 +52,7 @@ __all__ = [
     "DurableRun",
     "Job",
     "JobConfig",
+    "JobSpec",
     "Journal",
     "MetricsExporter",
     "Recovery",

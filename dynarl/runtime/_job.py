@@ -11,11 +11,14 @@
         print(job.allocation, len(job.ledger))
 
 Entering starts the controller in this process (on this event loop) and one worker process
-per device through the :class:`~dynarl.runtime.launch._local.LocalLauncher`, waits for them to
-register, and activates every component on its initial devices; the scheduler then runs
-beside the user's code and moves devices when a component is over-provisioned. Leaving
-tells the workers to go and stops every process the job started. The user's loop keeps
-control throughout: nothing here blocks the loop. Runs on the user's event loop.
+per device through its launcher (a :class:`~dynarl.runtime.launch.WorkerLauncher`: by default
+the :class:`~dynarl.runtime.launch.LocalLauncher` on this machine; under torchrun,
+``python -m dynarl.runtime.launch`` runs a :class:`~dynarl.runtime.JobSpec` with the ranks as
+the workers), waits for them to register, and activates every component on its initial
+devices; the scheduler then runs beside the user's code and moves devices when a component
+is over-provisioned. Leaving tells the workers to go and stops every process the job
+started. The user's loop keeps control throughout: nothing here blocks the loop. Runs on the
+user's event loop.
 
 While the workers start, the job reads the pipeline graph from the modules that define its
 roles and checks it against the declared components
@@ -65,7 +68,7 @@ from dynarl.runtime.controller import (
     worker_name,
 )
 from dynarl.runtime.durable import Journal
-from dynarl.runtime.launch import LocalLauncher
+from dynarl.runtime.launch import LocalLauncher, WorkerLauncher
 from dynarl.runtime.worker import WorkerOptions
 from dynarl.sched import (
     DeviceMove,
@@ -94,9 +97,9 @@ class JobConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """The controller's settings."""
     python: str = sys.executable
-    """Interpreter of the worker processes."""
+    """Interpreter of the worker processes (the local launcher)."""
     worker_env: Mapping[str, str] | None = None
-    """Environment of the worker processes (None: this process's)."""
+    """Environment of the worker processes (the local launcher; None: this process's)."""
     durable: bool = False
     """Keep the allocation journal at ``run_dir/journal`` and start from the allocation
     it holds (a restarted job needs the same ``run_dir``)."""
@@ -110,9 +113,12 @@ class Job(AsyncResource):
     """A dynarl job embedded in the caller's event loop (see the module docstring).
 
     ``predictor`` replaces the scheduler's default throughput predictor (a
-    :class:`~dynarl.sched.RegressionPredictor` over the components' profiles). Raises
-    ValueError for bad component specs. Constructing does no I/O: entering opens, in this
-    order (each a named start-up stage):
+    :class:`~dynarl.sched.RegressionPredictor` over the components' profiles);
+    ``launcher`` starts the workers (None: a
+    :class:`~dynarl.runtime.launch.LocalLauncher` of ``config.python`` and
+    ``config.worker_env``, logging to ``run_dir/workers``, its devices pinned to cores when
+    ``RuntimeConfig.pin_cores``). Raises ValueError for bad component specs. Constructing
+    does no I/O: entering opens, in this order (each a named start-up stage):
 
     ============================  =================================================
     ``journal open``              the allocation journal (``durable`` jobs), and the
@@ -121,7 +127,8 @@ class Job(AsyncResource):
     ``publisher``                 the event publisher: BusError
     ``bus bind``                  the bus server and the managers' endpoints: BusError
     ``metrics port``              the Prometheus endpoint: DynarlError
-    ``worker spawn``              one worker process per device: WorkerError
+    ``worker spawn``              the launcher starts one worker per device:
+                                  WorkerError
     ``worker registration``       every worker registered on the bus (a worker that
                                   dies, or ``start_timeout_s``): WorkerError
     ``rendezvous``                every component activated on its devices (the
@@ -142,6 +149,7 @@ class Job(AsyncResource):
         *,
         journal: AllocationJournal | None = None,
         predictor: ThroughputPredictor | None = None,
+        launcher: WorkerLauncher | None = None,
     ) -> None:
         if not components:
             raise ValueError("a job needs at least one component")
@@ -160,16 +168,16 @@ class Job(AsyncResource):
         self._components = tuple(components)
         self._given_journal = journal
         self._predictor = predictor
-        self._controller = self._new_controller(self._components, journal)
-        self._launcher = LocalLauncher(
+        self._launcher: WorkerLauncher = launcher or LocalLauncher(
             python=self.config.python,
             env=self.config.worker_env,
             log_dir=self.run_dir / "workers",
         )
+        self._controller = self._new_controller(self._components, journal)
         self._modules = tuple(sorted({spec.role.__module__ for spec in components}))
         self._cores = (
             pinned_cores(self.num_devices, os.sched_getaffinity(0))
-            if self.config.runtime.pin_cores
+            if self.config.runtime.pin_cores and launcher is None
             else {}
         )
         self._core_clock: CoreClock | None = None
@@ -186,6 +194,9 @@ class Job(AsyncResource):
             config=self.config.runtime,
             kill=self._kill,
             journal=journal,
+            store=self._launcher.store,
+            bind=self._launcher.bind,
+            curve=self._launcher.curve,
             predictor=self._predictor,
         )
 
@@ -210,8 +221,7 @@ class Job(AsyncResource):
         await stack.enter_async_context(self._controller)
         devices = range(self.num_devices)
         with stage("worker spawn", WorkerError):
-            for device in devices:
-                launcher.spawn(self._options(device))
+            await launcher.start([self._options(device) for device in devices])
         specs = list(self._controller.specs.values())
         self._report_graph(await asyncio.to_thread(check_roles, specs))
         with stage("worker registration", WorkerError):
@@ -238,16 +248,16 @@ class Job(AsyncResource):
         has registered; returns their devices. They host no role yet.
 
         Raises WorkerError if one dies again while starting, TimeoutError after
-        ``RuntimeConfig.start_timeout_s``.
+        ``RuntimeConfig.start_timeout_s``. Under torchrun nothing is started here: the
+        agent restarts ranks itself (``--max-restarts``).
         """
-        dead = tuple(d for d in range(self.num_devices) if self._launcher.returncode(d) is not None)
+        dead = self._launcher.exited()
         if not dead:
             return ()
         server = self._controller.server
         before = {d: server.peer(worker_name(d)) for d in dead}
         logger.warning("respawning the workers of devices %s", list(dead))
-        for device in dead:
-            self._launcher.spawn(self._options(device))
+        await self._launcher.start([self._options(device) for device in dead])
         async with asyncio.timeout(self.config.runtime.start_timeout_s):
             while True:
                 self._check_alive()
@@ -284,11 +294,7 @@ class Job(AsyncResource):
         )
 
     def _check_alive(self) -> None:
-        for device in range(self.num_devices):
-            code = self._launcher.returncode(device)
-            if code is not None:
-                log = self.run_dir / "workers" / f"worker-{device}.log"
-                raise WorkerError(f"worker {device} exited with status {code} (see {log})")
+        self._launcher.check()
 
     def _kill(self, device: int) -> None:
         self._launcher.kill(device)

@@ -183,5 +183,5 @@ def test_the_command_line(tmp_path: Path, keys: dict[str, Path]) -> None:
         parse_args(["--job", "m:a", "--job-dir", str(tmp_path), "--bind-host", "10.0.0.1"])
     with pytest.raises(ValueError, match="module:attribute"):
         LaunchConfig(job="nothing", job_dir=tmp_path)
-    with pytest.raises(ValueError, match="no controller and worker"):
-        load_job("standin_job:Options")
+    with pytest.raises(ValueError, match="not a JobSpec nor a function returning one"):
+        load_job("standin_job:MAX_TOKENS")

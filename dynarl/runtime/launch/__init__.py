@@ -1,10 +1,12 @@
-"""Starting a job's processes: the local launcher, the rendezvous over the job's TCPStore,
-and the torchrun entry point ``python -m dynarl.runtime.launch``.
+"""Starting a job's processes: who starts the workers (:class:`WorkerLauncher`; the
+:class:`LocalLauncher` on this machine), the rendezvous over the job's TCPStore, and the
+torchrun entry point ``python -m dynarl.runtime.launch --job module:JOB`` that runs a
+:class:`~dynarl.runtime.JobSpec` with the controller on rank 0 and a worker on every rank.
 """
 
 from __future__ import annotations
 
+from dynarl.runtime.launch._launcher import WorkerLauncher
 from dynarl.runtime.launch._local import LocalLauncher
-from dynarl.runtime.launch._torchrun import ControllerContext, LaunchedJob, WorkerContext
 
-__all__ = ["ControllerContext", "LaunchedJob", "LocalLauncher", "WorkerContext"]
+__all__ = ["LocalLauncher", "WorkerLauncher"]

@@ -1,7 +1,9 @@
 """LocalLauncher: worker processes on this machine, each stopped by its pid.
 
 ``spawn`` starts ``python -m dynarl.runtime.worker`` with a worker's options (its output
-goes to ``<log_dir>/worker-<device>.log`` when a log directory is given). ``stop`` ends
+goes to ``<log_dir>/worker-<device>.log`` when a log directory is given); ``start`` does it
+for several, as a :class:`~dynarl.runtime.launch.WorkerLauncher` (the controller it serves
+binds on loopback and hosts its own store). ``stop`` ends
 every process the launcher started: SIGTERM, a bounded wait, then SIGKILL; closing the
 launcher (leaving its ``async with`` block, on error as well) does it too, and workers
 are started only while it is open. ``kill`` is the fault-injection seam
@@ -19,14 +21,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from dynarl._resource import AsyncResource
+from dynarl.bus import CurveServer
 from dynarl.errors import WorkerError
 from dynarl.runtime.worker import WorkerOptions
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 __all__ = ["LocalLauncher"]
 
@@ -68,6 +74,39 @@ class LocalLauncher(AsyncResource):
         """Stop every worker started here (as :meth:`stop`); no more can be started
         (idempotent)."""
         await super().aclose()
+
+    @property
+    def store(self) -> Store | None:
+        """None: the controller hosts the job's store on loopback."""
+        return None
+
+    @property
+    def bind(self) -> str:
+        """The controller's bus binds a free loopback port."""
+        return "tcp://127.0.0.1:0"
+
+    @property
+    def curve(self) -> CurveServer | None:
+        """None: a loopback bus needs no CURVE."""
+        return None
+
+    async def start(self, workers: Sequence[WorkerOptions]) -> None:
+        """:meth:`spawn` each worker (raises as it does)."""
+        for options in workers:
+            self.spawn(options)
+
+    def check(self) -> None:
+        """Raise WorkerError naming the first worker started here that has exited (and
+        its log, when there is one)."""
+        for device in sorted(self._procs):
+            code = self._procs[device].poll()
+            if code is not None:
+                log = f" (see {self.log_dir / f'worker-{device}.log'})" if self.log_dir else ""
+                raise WorkerError(f"worker {device} exited with status {code}{log}")
+
+    def exited(self) -> tuple[int, ...]:
+        """Devices whose worker, started here, has exited."""
+        return tuple(d for d, p in sorted(self._procs.items()) if p.poll() is not None)
 
     def spawn(self, options: WorkerOptions) -> int:
         """Start the worker of ``options.device``; returns its pid.

@@ -3,13 +3,20 @@
 Every rank reads the torchrun environment once (:meth:`DistEnv.from_env`), connects to the
 job's TCPStore and rendezvouses over it (:mod:`._rendezvous`). Rank 0 runs the job's
 controller and, beside it in the same process and loop, a worker; every other rank runs a
-worker. The job is any object with two coroutines (:class:`LaunchedJob`), named on the
-command line, so the launcher does not depend on what the controller and the workers do::
+worker. ``--job`` names a :class:`~dynarl.runtime.JobSpec`, or a function of the job's
+arguments returning one (called on rank 0 only, so that preparing the job — a warm start, a
+dataset — happens once)::
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
         -m dynarl.runtime.launch --job my_pkg.jobs:JOB --job-dir /shared/run1 \\
         --bind-host 0.0.0.0 --key-file /etc/dynarl/node.key_secret \\
         --allowed-keys /etc/dynarl/authorized -- --my-job-flag 1
+
+Underneath, the launcher runs any object with two coroutines (:class:`LaunchedJob`:
+``controller`` on rank 0, ``worker`` on every rank), so it does not depend on what they do;
+a JobSpec runs through one (:mod:`._job_ranks`: the spec's :class:`~dynarl.runtime.Job` on
+rank 0, its workers on the ranks), and the launcher's own tests name one directly. When the
+job ends every rank exits 0; when it fails, non-zero with the error named in its log.
 
 A bus bound to a routable address (or ``--curve``) uses CURVE: each node's secret key
 comes from ``--key-file`` (provisioned outside the job, ``dynarl keys``), the controller
@@ -40,6 +47,8 @@ from dynarl._distenv import DistEnv
 from dynarl.bus import CurveClient, CurveServer, load_public_key, load_secret_key, run
 from dynarl.errors import WorkerError
 from dynarl.runtime._cores import pinned_cores
+from dynarl.runtime._job_spec import JobSpec
+from dynarl.runtime.launch._job_ranks import SpecJob, describe
 from dynarl.runtime.launch._rendezvous import AdmissionDesk, request_admission
 
 __all__ = [
@@ -65,9 +74,11 @@ class LaunchConfig:
     """The launcher's command line."""
 
     job: str
-    """``module:attribute`` of the :class:`LaunchedJob`."""
+    """``module:attribute`` of the :class:`~dynarl.runtime.JobSpec` (or of a function of
+    ``args`` returning one)."""
     job_dir: Path
-    """Directory shared by every node (journal, checkpoints)."""
+    """Directory shared by every node: the job's run directory (ledger, journal,
+    checkpoints)."""
     job_name: str = "dynarl"
     """Namespace of the job's keys in the store."""
     bind_host: str = "127.0.0.1"
@@ -146,7 +157,8 @@ class WorkerContext:
 
 
 class LaunchedJob(Protocol):
-    """What ``--job`` names: the controller and worker coroutines of a job."""
+    """The launcher's own interface: the controller and worker coroutines of a job (a
+    :class:`~dynarl.runtime.JobSpec` runs through one; the launcher's tests name one)."""
 
     async def controller(self, context: ControllerContext) -> None:
         """Run the controller (rank 0); bind the bus and call ``context.announce``."""
@@ -264,14 +276,18 @@ async def _run_worker(
 
 
 def load_job(spec: str) -> LaunchedJob:
-    """The object ``module:attribute`` names. Raises ValueError if it is not a job."""
+    """What ``module:attribute`` names, as a :class:`LaunchedJob`: a JobSpec, a function
+    returning one (called on rank 0 with the job's arguments), or a LaunchedJob itself.
+    Raises ValueError if it is none of these."""
     module_name, _, attribute = spec.partition(":")
     target: object = importlib.import_module(module_name)
     for part in attribute.split("."):
         target = getattr(target, part)
-    if not all(callable(getattr(target, name, None)) for name in ("controller", "worker")):
-        raise ValueError(f"{spec} has no controller and worker coroutines")
-    return target  # type: ignore[return-value]
+    if all(callable(getattr(target, name, None)) for name in ("controller", "worker")):
+        return target  # type: ignore[return-value]
+    if isinstance(target, JobSpec) or (callable(target) and not isinstance(target, type)):
+        return SpecJob(target)
+    raise ValueError(f"{spec} is not a JobSpec nor a function returning one")
 
 
 def open_store(env: DistEnv, timeout_s: float) -> TCPStore:
@@ -292,7 +308,12 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
         cut = argv.index("--")
         argv, job_args = argv[:cut], argv[cut + 1 :]
     parser = argparse.ArgumentParser(prog="python -m dynarl.runtime.launch")
-    parser.add_argument("--job", required=True, help="module:attribute of the job")
+    parser.add_argument(
+        "--job",
+        required=True,
+        help="module:attribute of the JobSpec, or of a function of the job's arguments "
+        "returning one",
+    )
     parser.add_argument("--job-dir", required=True, type=Path)
     parser.add_argument("--job-name", default="dynarl")
     parser.add_argument("--bind-host", default="127.0.0.1")
@@ -331,5 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rank %d of %d (node %d, restart %d) starting %s",
         env.rank, env.world_size, env.node_rank, env.restart_count, config.job,
     )  # fmt: skip
-    run(run_node(job, config, env, store))
+    try:
+        run(run_node(job, config, env, store))
+    except Exception as exc:
+        logger.error("rank %d: the job failed: %s", env.rank, describe(exc))
+        raise
+    logger.info("rank %d: the job ended", env.rank)
     return 0

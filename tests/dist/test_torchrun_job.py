@@ -1,0 +1,135 @@
+"""A real ``dynarl.Job`` launched by torchrun from a job file (``examples/torchrun_job.py``:
+the reference rollout engine and trainer, two GRPO steps, deterministic mode; ``--grow``:
+after each rollout the trainer grows onto the rollout's device by a P2P reshard, learns
+data-parallel, and shrinks back).
+
+The same job file runs (a) under two torchruns on this machine — two "nodes" of one rank
+each, c10d rendezvous on loopback, each torchrun its own process group: the controller, the
+loop and device 0's worker on rank 0, device 1's worker on the other node, so the trainer's
+reshards and the weight syncs cross the nodes — and (b) on the local launcher
+(``JobSpec.run``: one worker process per device). Their per-step manifests (sample ids by
+micro-batch, in update order) are equal, and so are the rewards and the trainer's state
+checksums. A job whose driver fails ends every rank with a non-zero status,
+the error named in the logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+EXAMPLES = ROOT / "examples"
+TESTS = ROOT / "tests"
+TIMEOUT_S = 240
+JOB_ARGS = ["--steps", "2", "--prompts", "3", "--group-size", "4", "--grow"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def environment() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    path = [str(EXAMPLES), str(TESTS), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
+    return env
+
+
+def start(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        # Its own session, so that everything it starts can be stopped as one group.
+        return subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=environment(),
+            start_new_session=True, cwd=ROOT,
+        )  # fmt: skip
+
+
+def finish(processes: list[subprocess.Popen[bytes]]) -> list[int]:
+    """Their exit statuses; whatever still runs after the timeout is killed, by group."""
+    try:
+        return [p.wait(timeout=TIMEOUT_S) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+
+
+def torchrun(node: int, port: int, tmp: Path, job: str, args: list[str]) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--rdzv-id", "dynarl-job-test", "--rdzv-conf", f"is_host={int(node == 0)}",
+        "--monitor-interval", "0.5",
+        "-m", "dynarl.runtime.launch", "--job", job, "--job-dir", str(tmp / "job"),
+        "--rendezvous-timeout", "120", "--", *args,
+    ]  # fmt: skip
+    return start(command, tmp / f"node{node}.log")
+
+
+def two_nodes(tmp: Path, job: str, args: list[str]) -> tuple[list[int], str]:
+    (tmp / "job").mkdir(parents=True)
+    port = free_port()
+    codes = finish([torchrun(0, port, tmp, job, args), torchrun(1, port, tmp, job, args)])
+    logs = "\n".join((tmp / f"node{n}.log").read_text(errors="replace") for n in (0, 1))
+    return codes, logs
+
+
+def steps(run_dir: Path) -> list[dict[str, object]]:
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["num_devices"] == 2
+    return list(result["steps"])
+
+
+def test_a_job_file_under_torchrun_trains_as_on_the_local_launcher(tmp_path: Path) -> None:
+    args = [*JOB_ARGS, "--cache", str(tmp_path / "cache")]
+    # (b) first: it makes the warm start the torchrun job then reads from the cache.
+    local_log = tmp_path / "local.log"
+    local = start([sys.executable, str(EXAMPLES / "torchrun_job.py"), *args,
+                   "--run-dir", str(tmp_path / "local")], local_log)  # fmt: skip
+    assert finish([local]) == [0], local_log.read_text(errors="replace")[-6000:]
+    codes, logs = two_nodes(tmp_path / "torchrun", "torchrun_job:job", args)
+    assert codes == [0, 0], logs[-6000:]
+    assert "rank 1: the job ended" in logs and "rank 0: the job ended" in logs
+    local_steps, launched = steps(tmp_path / "local"), steps(tmp_path / "torchrun" / "job")
+    assert len(launched) == 2
+    for here, there in zip(local_steps, launched, strict=True):
+        assert here["manifest"] == there["manifest"]
+        assert here["rewards"] == there["rewards"]
+        assert here["checksum"] == there["checksum"]
+        assert there["learned_on"] == [0, 1]  # the trainer really moved, across the nodes
+        assert there["allocation"] == {"rollout": [0], "trainer": [1]}
+    # The trainer took its steps: its state differs after each.
+    assert launched[0]["checksum"] != launched[1]["checksum"]
+    # The torchrun job's run directory is --job-dir (no worker process was spawned there);
+    # its ledger holds the trainer's reshards between the ranks, grow and shrink each step.
+    job_dir = tmp_path / "torchrun" / "job"
+    assert not (job_dir / "workers").exists()
+    reshards = [
+        (record["src_devices"], record["dst_devices"])
+        for line in (job_dir / "events.jsonl").read_text().splitlines()
+        for record in [json.loads(line)]
+        if record["type"] == "MigrationRecord" and record["kind"] == "p2p"
+        and record["outcome"] == "committed"
+    ]  # fmt: skip
+    assert reshards == [([1], [0, 1]), ([0, 1], [1])] * 2
+
+
+def test_a_failing_driver_ends_every_rank_with_the_error_named(tmp_path: Path) -> None:
+    codes, logs = two_nodes(tmp_path, "torchrun_jobs:failing", [])
+    assert codes[0] != 0 and codes[1] != 0, logs[-6000:]
+    assert "rank 0: the job failed: RuntimeError: the driver gave up" in logs, logs[-6000:]
+    assert "the job failed on rank 0: failed: RuntimeError: the driver gave up" in logs
