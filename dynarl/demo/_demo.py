@@ -244,7 +244,8 @@ async def _runs(config: Any, setup: Any, run_dir: Path, view: Any) -> Any:
 
 def write_run_dir(run_dir: Path, comparison: Any) -> None:
     """``events.jsonl`` (every run's ledger, each record tagged with its run),
-    ``timeline.png``, ``curves.png``, ``summary.md`` and ``steps.json``."""
+    ``timeline.png``, ``curves.png``, ``summary.md``, ``steps.json`` and ``load.json``
+    (each run's CPU: the job's and other processes')."""
     runs = [comparison.dynarl, comparison.sequential, *comparison.splits]
     with open(run_dir / "events.jsonl", "w", encoding="utf-8") as out:
         for result in runs:
@@ -272,6 +273,8 @@ def write_run_dir(run_dir: Path, comparison: Any) -> None:
         for r in runs
     }
     (run_dir / "steps.json").write_text(json.dumps(steps, indent=1), encoding="utf-8")
+    load = {r.label: r.load.to_json() for r in runs if r.load is not None}
+    (run_dir / "load.json").write_text(json.dumps(load, indent=1), encoding="utf-8")
     plot_runs(run_dir, runs)
     (run_dir / "summary.md").write_text(format_summary(comparison, run_dir=run_dir), "utf-8")
 
@@ -320,8 +323,8 @@ def format_summary(comparison: Any, *, run_dir: Path, total_s: float | None = No
         "# dynarl demo",
         "",
         "| run | wall (s) | s/step | speedup of dynarl | scheduler moves | migrations "
-        "| pause total (s) | learned early | resumed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| pause total (s) | learned early | resumed | foreign load (cores) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         speedup = "—" if r is c.dynarl else f"{r.wall_s / c.dynarl.wall_s:.2f}×"
@@ -330,7 +333,8 @@ def format_summary(comparison: Any, *, run_dir: Path, total_s: float | None = No
         lines.append(
             f"| {r.label} | {r.wall_s:.1f} | {r.wall_s / len(r.steps):.2f} | {speedup} "
             f"| {r.scheduler_moves} | {r.migrations} | {r.pause_s:.2f} | {early}/{total} "
-            f"| {sum(s.resumed for s in r.steps)} |"
+            f"| {sum(s.resumed for s in r.steps)} "
+            f"| {'—' if r.load is None else f'{r.load.foreign_cores:.2f}'} |"
         )
     yes = {True: "yes", False: "NO"}
     lines += [
@@ -338,6 +342,7 @@ def format_summary(comparison: Any, *, run_dir: Path, total_s: float | None = No
         f"- speedup over static sequential: **{c.speedup_vs_sequential:.2f}×**",
         f"- speedup over the best static split ({c.best_split.label}): "
         f"**{c.speedup_vs_best_split:.2f}×**",
+        _load_line(c),
         f"- manifests (sample ids, micro-batches, update order) identical: "
         f"**{yes[c.manifests_equal]}**",
         f"- rewards identical: {yes[c.rewards_equal]}; trainer checksums identical "
@@ -352,6 +357,25 @@ def format_summary(comparison: Any, *, run_dir: Path, total_s: float | None = No
     if total_s is not None:
         lines.append(f"whole demo: {total_s:.0f} s")
     return "\n".join(lines)
+
+
+def _load_line(comparison: Any) -> str:
+    """Whether the wall times above were measured with the machine to the job alone."""
+    from dynarl.runtime._cores import FOREIGN_LOAD_LIMIT
+
+    loaded = comparison.loaded_runs
+    if loaded:
+        which = ", ".join(f"{r.label} {r.load.foreign_cores:.2f}" for r in loaded)
+        return (
+            f"- **measured under foreign load**: other processes took CPU during {which} "
+            f"(cores on average; flagged from {FOREIGN_LOAD_LIMIT}): the speedups compare "
+            "runs that did not have the machine to themselves"
+        )
+    runs = [comparison.dynarl, comparison.sequential, *comparison.splits]
+    measured = [r.load.foreign_cores for r in runs if r.load is not None]
+    if not measured:
+        return "- foreign load: not measured"
+    return f"- foreign load: none (at most {max(measured):.2f} cores in any run)"
 
 
 class LiveView:

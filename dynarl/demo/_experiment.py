@@ -44,7 +44,7 @@ from dynarl.demo._device_schedules import (
     reference_components,
 )
 from dynarl.demo._driver import GRPODriver
-from dynarl.runtime import Job, JobConfig, RuntimeConfig
+from dynarl.runtime import ForeignLoad, Job, JobConfig, LoadMeter, RuntimeConfig
 from dynarl.sched import ComponentProfile, ProfilePoint, SchedulerConfig
 
 __all__ = [
@@ -252,6 +252,9 @@ class RunResult:
     """Trainer reshards whose state checksum was equal before and after."""
     run_dir: str
     """Where its ledger and worker logs are."""
+    load: ForeignLoad | None = None
+    """The machine's CPU over the run, this job's and other processes' (None: not
+    measured)."""
 
     @property
     def manifests(self) -> tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]:
@@ -304,6 +307,7 @@ async def run_plan(
         await driver.prepare()
         clock = job.scheduler.clock
         origin = clock.now()
+        meter = LoadMeter()
         timeline: list[tuple[float, dict[str, int]]] = []
         starts: list[float] = []
         reports: list[StepReport] = []
@@ -316,6 +320,7 @@ async def run_plan(
             finally:
                 sampler.cancel()
         wall = clock.now() - origin
+        load = meter.read()
         moves, migrations, pause = _ledger_figures(job, origin)
     return RunResult(
         label=label,
@@ -329,6 +334,7 @@ async def run_plan(
         pause_s=pause,
         reshards_verified=driver.reshards_verified,
         run_dir=str(run_dir),
+        load=load,
     )
 
 
@@ -404,6 +410,13 @@ class Comparison:
     """Sequential wall time over dynarl's."""
     speedup_vs_best_split: float = field(default=0.0)
     """Best split's wall time over dynarl's."""
+
+    @property
+    def loaded_runs(self) -> tuple[RunResult, ...]:
+        """The runs that ran under foreign load (other processes took
+        :data:`~dynarl.runtime._cores.FOREIGN_LOAD_LIMIT` cores or more on average)."""
+        runs = (self.dynarl, self.sequential, *self.splits)
+        return tuple(r for r in runs if r.load is not None and r.load.loaded)
 
 
 def compare(dynarl: RunResult, sequential: RunResult, splits: Sequence[RunResult]) -> Comparison:

@@ -12,6 +12,8 @@
   :data:`PROMPT_LEN`, :data:`RESUMED` and :data:`VERSIONS`
   (:func:`encode_versions` / :func:`decode_versions`);
 - :class:`MetricsExporter`: the controller's Prometheus endpoint;
+- :class:`LoadMeter` → :class:`ForeignLoad`: how much CPU other processes took while this
+  process and everything it started ran (to flag a timing comparison made under load);
 - :class:`Journal` and :class:`CheckpointStore`: the durable records a job keeps.
 
 By concern, below it: :mod:`.controller` (bus, scheduler, coordinator, group managers,
@@ -23,6 +25,7 @@ checkpoints, shard files, the sample source and manifest).
 
 from __future__ import annotations
 
+from dynarl.runtime._cores import ForeignLoad, LoadMeter
 from dynarl.runtime._durable_run import DurableConfig, DurableRun, Recovery
 from dynarl.runtime._job import Job, JobConfig
 from dynarl.runtime._job_spec import JobSpec
@@ -50,10 +53,12 @@ __all__ = [
     "ComponentSpec",
     "DurableConfig",
     "DurableRun",
+    "ForeignLoad",
     "Job",
     "JobConfig",
     "JobSpec",
     "Journal",
+    "LoadMeter",
     "MetricsExporter",
     "Recovery",
     "RoleContext",

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,11 @@ from dynarl.runtime import ComponentSpec, Job, JobConfig, RuntimeConfig
 from dynarl.runtime._cores import (
     CoreClock,
     CoreUsage,
+    LoadMeter,
     pinned_cores,
     process_cpu_seconds,
     read_core_times,
+    tree_cpu_seconds,
 )
 from dynarl.runtime.launch._torchrun import parse_args
 from dynarl.runtime.worker import WorkerOptions
@@ -132,6 +136,30 @@ def test_cpu_seconds_of_processes_come_from_proc() -> None:
     times = os.times()
     assert mine == pytest.approx(times.user + times.system, abs=0.05)
     assert process_cpu_seconds([2**22 + 7]) == 0.0  # no such process: nothing
+
+
+BURN = "import time\nwhile time.process_time() < {seconds}: pass\n"
+"""A process that spends ``seconds`` of CPU, then exits (whatever the machine's load)."""
+
+
+def test_a_reaped_childs_cpu_stays_in_the_tree_and_a_strangers_is_foreign(
+    tmp_path: Path,
+) -> None:
+    meter = LoadMeter()
+    before = tree_cpu_seconds()
+    subprocess.run([sys.executable, "-c", BURN.format(seconds=0.4)], check=True, timeout=60)
+    assert tree_cpu_seconds() - before >= 0.35  # reaped: counted through our cutime (in ticks)
+    # A stranger: started by a shell that exits at once, so it is nobody's child of ours.
+    pid_file = tmp_path / "pid"
+    stranger = f"{sys.executable} -c '{BURN.format(seconds=0.6)}' & echo $! > {pid_file}"
+    subprocess.run(["sh", "-c", stranger], check=True, timeout=60)
+    pid = int(pid_file.read_text())
+    for _ in range(600):  # bounded: it ends once it has spent its 0.6 s
+        if not Path(f"/proc/{pid}").exists():
+            break
+        time.sleep(0.05)
+    load = meter.read()
+    assert load.own_s >= 0.35 and load.foreign_s >= 0.5, load
 
 
 def test_an_engine_on_given_cores_binds_its_threads_there() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from dynarl.demo._demo import format_summary, write_run_dir
 from dynarl.demo._device_schedules import RunPlan, Schedule, StepReport
 from dynarl.demo._experiment import RunResult, compare
+from dynarl.runtime import ForeignLoad
 
 
 def step(
@@ -79,6 +81,7 @@ def test_summary_and_run_directory(tmp_path: Path) -> None:
     write_run_dir(out, comparison)
     for name in ("events.jsonl", "timeline.png", "curves.png", "summary.md", "steps.json"):
         assert (out / name).stat().st_size > 0, name
+    assert "foreign load: not measured" in text
     runs = {json.loads(line)["run"] for line in (out / "events.jsonl").read_text().splitlines()}
     assert runs == {"dynarl", "sequential", "split-1/1"}
 
@@ -90,6 +93,39 @@ def test_a_different_manifest_is_reported(tmp_path: Path) -> None:
     comparison = compare(dynarl, seq, [split])
     assert not comparison.manifests_equal
     assert "identical: **NO**" in format_summary(comparison, run_dir=tmp_path)
+
+
+def load(foreign_cores: float) -> ForeignLoad:
+    """A 10 s run whose job took 15 CPU-s, other processes ``foreign_cores`` on average."""
+    return ForeignLoad(wall_s=10.0, busy_s=15.0 + 10 * foreign_cores, own_s=15.0)
+
+
+def test_a_comparison_under_foreign_load_says_so(tmp_path: Path) -> None:
+    dynarl = run("dynarl", RunPlan(schedule=Schedule.DYNARL), 8.0, tmp_path)
+    seq = run("sequential", RunPlan(schedule=Schedule.SEQUENTIAL), 10.0, tmp_path)
+    split = run("split-1/1", RunPlan(schedule=Schedule.SPLIT), 9.0, tmp_path)
+    quiet = compare(replace(dynarl, load=load(0.05)), replace(seq, load=load(0.0)),
+                    [replace(split, load=load(0.1))])  # fmt: skip
+    text = format_summary(quiet, run_dir=tmp_path)
+    assert "foreign load: none (at most 0.10 cores in any run)" in text
+    assert "| 0.05 |" in text and "under foreign load" not in text
+    loaded = compare(replace(dynarl, load=load(0.05)), replace(seq, load=load(0.7)),
+                     [replace(split, load=load(0.1))])  # fmt: skip
+    assert [r.label for r in loaded.loaded_runs] == ["sequential"]
+    assert "**measured under foreign load**: other processes took CPU during sequential 0.70" in (
+        format_summary(loaded, run_dir=tmp_path)
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    write_run_dir(out, loaded)
+    assert json.loads((out / "load.json").read_text())["sequential"]["foreign_cores"] == 0.7
+
+
+def test_foreign_load_never_counts_below_zero() -> None:
+    # The two clocks tick apart: the job's own seconds may exceed the cores' busy ones.
+    odd = ForeignLoad(wall_s=2.0, busy_s=3.0, own_s=3.2)
+    assert odd.foreign_s == 0.0 and not odd.loaded
+    assert ForeignLoad(wall_s=0.0, busy_s=1.0, own_s=0.0).foreign_cores == 0.0
 
 
 @pytest.mark.slow
