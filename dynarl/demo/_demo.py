@@ -361,7 +361,7 @@ def format_summary(comparison: Any, *, run_dir: Path, total_s: float | None = No
 
 def _load_line(comparison: Any) -> str:
     """Whether the wall times above were measured with the machine to the job alone."""
-    from dynarl.runtime._cores import FOREIGN_LOAD_LIMIT
+    from dynarl.runtime import FOREIGN_LOAD_LIMIT
 
     loaded = comparison.loaded_runs
     if loaded:

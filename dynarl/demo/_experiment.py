@@ -414,7 +414,7 @@ class Comparison:
     @property
     def loaded_runs(self) -> tuple[RunResult, ...]:
         """The runs that ran under foreign load (other processes took
-        :data:`~dynarl.runtime._cores.FOREIGN_LOAD_LIMIT` cores or more on average)."""
+        :data:`~dynarl.runtime.FOREIGN_LOAD_LIMIT` cores or more on average)."""
         runs = (self.dynarl, self.sequential, *self.splits)
         return tuple(r for r in runs if r.load is not None and r.load.loaded)
 

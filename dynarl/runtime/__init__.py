@@ -25,7 +25,7 @@ checkpoints, shard files, the sample source and manifest).
 
 from __future__ import annotations
 
-from dynarl.runtime._cores import ForeignLoad, LoadMeter
+from dynarl.runtime._cores import FOREIGN_LOAD_LIMIT, ForeignLoad, LoadMeter
 from dynarl.runtime._durable_run import DurableConfig, DurableRun, Recovery
 from dynarl.runtime._job import Job, JobConfig
 from dynarl.runtime._job_spec import JobSpec
@@ -45,6 +45,7 @@ from dynarl.runtime.worker import RoleContext, RoleMetrics
 
 __all__ = [
     "FINISH",
+    "FOREIGN_LOAD_LIMIT",
     "PROMPT_LEN",
     "RESUMED",
     "VERSIONS",
