@@ -1,4 +1,5 @@
-"""Weight sync MegatronTrainer → SGLang engines, and the Megatron ↔ HF tensor map it uses.
+"""Weight sync MegatronTrainer → SGLang and vLLM engines, and the Megatron ↔ HF tensor map
+they use.
 
 SGLang takes full tensors under HF names, broadcast from one rank
 (``/update_weights_from_distributed``). So:
@@ -15,7 +16,10 @@ SGLang takes full tensors under HF names, broadcast from one rank
    the very tensors broadcast (:func:`dynarl.backends.sglang.expected_checksums`).
 
 :func:`sync_weights` runs all of it: the gather on every rank of the trainer layout (in a
-worker thread), the rest on the broadcasting rank's event loop. The same :func:`to_hf` /
+worker thread), the rest on the broadcasting rank's event loop. :func:`sync_weights_vllm`
+does steps 1 and 2 the same way and hands the HF tensors to a
+:class:`~dynarl.backends.vllm.WeightPusher` (vLLM's engines load them through dynarl's
+worker extension; the pushed version labels every later token). The same :func:`to_hf` /
 :func:`from_hf` serve HF checkpoint directories (:mod:`.checkpoint`).
 """
 
@@ -42,9 +46,18 @@ from dynarl.backends.sglang import (
     plan_weight_sync,
     push_weights,
 )
+from dynarl.backends.vllm import PushReport, WeightPusher
 from dynarl.errors import BackendError
 
-__all__ = ["SyncReport", "check_hf_compatible", "from_hf", "hf_names", "sync_weights", "to_hf"]
+__all__ = [
+    "SyncReport",
+    "check_hf_compatible",
+    "from_hf",
+    "hf_names",
+    "sync_weights",
+    "sync_weights_vllm",
+    "to_hf",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +191,40 @@ async def sync_weights(
         report.num_buckets,
         len(clients),
     )
+    return report
+
+
+async def sync_weights_vllm(
+    trainer: MegatronTrainer,
+    pusher: WeightPusher,
+    version: str,
+    *,
+    root: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> PushReport | None:
+    """Push the trainer's current weights into ``pusher``'s vLLM engines as ``version``.
+
+    Every rank of the trainer layout calls it (the gather is collective); ``pusher`` (open)
+    is used on ``root`` (default: the layout's first rank), which returns its report; other
+    ranks return None. ``dtype`` casts first (the engines' dtype). The pusher pauses the
+    engines in place for the load, drops their prefix cache and resumes them. Raises
+    BackendError when the rank holds no part of the trainer or an engine fails, ValueError
+    for a model that has no HF names.
+    """
+    layout = trainer.layout
+    if layout is None:
+        raise BackendError(f"rank {trainer.rank} holds no part of the trainer")
+    root = layout.ranks[0] if root is None else root
+    check_hf_compatible(trainer.model_config)
+    full = await asyncio.to_thread(trainer.gather, root)
+    if trainer.rank != root:
+        return None
+    hf = {
+        name: t.to(device="cpu", dtype=dtype).contiguous()
+        for name, t in to_hf(full, trainer.model_config).items()
+    }
+    report = await pusher.push(hf, version)
+    logger.info("weight sync to vLLM: %d tensors as version %s", len(hf), version)
     return report
 
 
