@@ -62,6 +62,13 @@ class ServerEngine(Generic[S, C]):
         return self._server
 
     @property
+    def url(self) -> str | None:
+        """The server's root URL (None before :meth:`start` of a launched server)."""
+        if self._server is not None:
+            return self._server.url if self._client is not None else None
+        return self._url
+
+    @property
     def client(self) -> C:
         """The HTTP client (after :meth:`start`)."""
         if self._client is None:

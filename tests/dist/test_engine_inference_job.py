@@ -6,7 +6,8 @@ generated (:class:`~dynarl.backends.serving.EngineInference`).
 Both launch the SGLang fake (``dynarl.testing.sglang_fake``, a real HTTP server in its own
 process, fast to start) on their device. Each rollout sample sent to the inference
 component comes back with the log-prob of every token after the first: over the response,
-the log-probs it was sampled with; over the prompt, the fake model's own. Bounded by
+the log-probs it was sampled with; over the prompt, the fake model's own. The rollout's
+``engine_address`` call names the server a trainer would push weights to. Bounded by
 timeouts; no timing is asserted.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from dynarl.backends.serving import EngineInference, EngineRollout, EngineSetup
@@ -68,6 +70,12 @@ def test_an_inference_component_scores_what_the_rollout_generated(tmp_path: Path
 
     async def main() -> tuple[dict[str, Sample], dict[str, Sample]]:
         async with asyncio.timeout(120), Job(specs, config) as job:
+            (address,) = await job.call("rollout", "engine_address")
+            assert address.values["kind"] == "sglang" and address.device == 0
+            url = str(address.values["url"])
+            assert str(address.values["name"]) == f"sglang@{url.removeprefix('http://')}"
+            async with aiohttp.ClientSession() as http, http.get(f"{url}/health") as reply:
+                assert reply.status == 200  # where a trainer would push its weights
             job.submit("rollout", requests)
             generated = await collect(job, "rollout", NUM)
             job.submit("inference", list(generated.values()))

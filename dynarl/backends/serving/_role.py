@@ -18,7 +18,8 @@ runtime drives it as it drives the reference engine:
   the engine's load as read every ``metrics_interval_s``: utilization is the larger of KV
   use and running requests over the engine's limit (:class:`EngineLoad`);
 - ``set_weight_version(version=N)`` (a call) labels the weights in force, so later tokens
-  report ``N``; the trainer's push is the production job's.
+  report ``N``; ``engine_address()`` (a call) says where a trainer pushes weights to each
+  device's engine (kind, name, server URL).
 
 An engine that dies under the role (killed, crashed: a server this role launched exits)
 raises :class:`~dynarl.errors.EngineLostError` from ``serve`` and ``run``; the worker then
@@ -52,6 +53,7 @@ from dynarl.backends._engine import (
     EngineRequest,
     ScoreRequest,
 )
+from dynarl.backends._server_engine import ServerEngine
 from dynarl.backends.serving._setup import EngineSetup
 from dynarl.bus import (
     GenerationRequest,
@@ -236,6 +238,14 @@ class _EngineRole(WorkerGroup, abstract=True):
     def weight_version(self, samples: Sequence[Sample]) -> dict[str, MetaValue]:
         """The weight version in force (-1 before start)."""
         return {"version": self.version if self.engine is not None else -1}
+
+    def engine_address(self, samples: Sequence[Sample]) -> dict[str, MetaValue]:
+        """Where a trainer pushes weights to this device's engine: its kind (``vllm``,
+        ``sglang``), its name and its server's root URL (empty for an in-process engine,
+        which has none). BackendError before start."""
+        engine = self._started()
+        url = engine.url if isinstance(engine, ServerEngine) else None
+        return {"kind": self.setup.kind, "name": engine.name, "url": url or ""}
 
 
 class EngineRollout(_EngineRole, kind=ComponentKind.ROLLOUT, name="rollout"):
