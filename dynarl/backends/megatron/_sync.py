@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -37,6 +39,7 @@ from dynarl.backends.hf_layout import hf_to_megatron, megatron_to_hf
 from dynarl.backends.megatron._megatron_trainer import MegatronTrainer
 from dynarl.backends.megatron._train_config import GPTModelConfig
 from dynarl.backends.sglang import (
+    ClientConfig,
     ExpectedChecksums,
     HashDevice,
     SGLangClient,
@@ -46,14 +49,16 @@ from dynarl.backends.sglang import (
     plan_weight_sync,
     push_weights,
 )
-from dynarl.backends.vllm import PushReport, WeightPusher
+from dynarl.backends.vllm import PushReport, VLLMClient, VLLMClientConfig, WeightPusher
 from dynarl.errors import BackendError
 
 __all__ = [
+    "EngineTarget",
     "SyncReport",
     "check_hf_compatible",
     "from_hf",
     "hf_names",
+    "push_to_engines",
     "sync_weights",
     "sync_weights_vllm",
     "to_hf",
@@ -196,7 +201,7 @@ async def sync_weights(
 
 async def sync_weights_vllm(
     trainer: MegatronTrainer,
-    pusher: WeightPusher,
+    pusher: WeightPusher | None,
     version: str,
     *,
     root: int | None = None,
@@ -204,10 +209,11 @@ async def sync_weights_vllm(
 ) -> PushReport | None:
     """Push the trainer's current weights into ``pusher``'s vLLM engines as ``version``.
 
-    Every rank of the trainer layout calls it (the gather is collective); ``pusher`` (open)
-    is used on ``root`` (default: the layout's first rank), which returns its report; other
-    ranks return None. ``dtype`` casts first (the engines' dtype). The pusher pauses the
-    engines in place for the load, drops their prefix cache and resumes them. Raises
+    Every rank of the trainer layout calls it (the gather is collective); ``pusher`` (open;
+    None off ``root``) is used on ``root`` (default: the layout's first rank), which returns
+    its report; other ranks return None. ``dtype`` casts first (the engines' dtype). The
+    pusher pauses the engines in place for the load, drops their prefix cache and resumes
+    them. Raises
     BackendError when the rank holds no part of the trainer or an engine fails, ValueError
     for a model that has no HF names.
     """
@@ -216,9 +222,12 @@ async def sync_weights_vllm(
         raise BackendError(f"rank {trainer.rank} holds no part of the trainer")
     root = layout.ranks[0] if root is None else root
     check_hf_compatible(trainer.model_config)
+    if trainer.rank == root and pusher is None:
+        raise ValueError("sync_weights_vllm: the pushing rank needs an open WeightPusher")
     full = await asyncio.to_thread(trainer.gather, root)
     if trainer.rank != root:
         return None
+    assert pusher is not None
     hf = {
         name: t.to(device="cpu", dtype=dtype).contiguous()
         for name, t in to_hf(full, trainer.model_config).items()
@@ -226,6 +235,91 @@ async def sync_weights_vllm(
     report = await pusher.push(hf, version)
     logger.info("weight sync to vLLM: %d tensors as version %s", len(hf), version)
     return report
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTarget:
+    """One engine a trainer pushes to: its kind and its server's root URL (what a serving
+    role's ``engine_address`` call answers), and its tensor-parallel size (SGLang)."""
+
+    kind: Literal["vllm", "sglang"]
+    url: str
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("vllm", "sglang"):
+            raise ValueError(f"EngineTarget.kind must be 'vllm' or 'sglang', got {self.kind!r}")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"EngineTarget.url must be an http(s) URL, got {self.url!r}")
+        if self.tp_size < 1:
+            raise ValueError(f"EngineTarget.tp_size must be >= 1, got {self.tp_size}")
+
+
+async def push_to_engines(
+    trainer: MegatronTrainer,
+    targets: Sequence[EngineTarget],
+    version: str,
+    *,
+    root: int | None = None,
+    dtype: torch.dtype | None = None,
+    host: str = "127.0.0.1",
+    backend: str = "gloo",
+    checksum_device: HashDevice = "cuda",
+) -> None:
+    """Push the trainer's current weights to every target as ``version``: vLLM engines
+    through a :class:`~dynarl.backends.vllm.WeightPusher` (:func:`sync_weights_vllm`),
+    SGLang engines by their update-from-distributed sequence with the checksums verified
+    (:func:`sync_weights`). Every rank of the trainer layout calls it with the same
+    targets; ``root`` (default: the layout's first rank) hosts the groups on ``host``
+    (an address the engines reach; ``backend`` ``nccl`` on GPU). Raises BackendError when
+    an engine refuses or its weights differ afterwards.
+    """
+    layout = trainer.layout
+    if layout is None:
+        raise BackendError(f"rank {trainer.rank} holds no part of the trainer")
+    root = layout.ranks[0] if root is None else root
+    pushing = trainer.rank == root
+    vllm = [target.url for target in targets if target.kind == "vllm"]
+    sglang = [target for target in targets if target.kind == "sglang"]
+    if vllm:
+        clients = [VLLMClient(VLLMClientConfig(base_url=url)) for url in vllm] if pushing else []
+        try:
+            if pushing:
+                async with WeightPusher(clients, host=host, backend=backend) as pusher:
+                    await sync_weights_vllm(trainer, pusher, version, root=root, dtype=dtype)
+            else:
+                await sync_weights_vllm(trainer, None, version, root=root, dtype=dtype)
+        finally:
+            await asyncio.gather(*(client.aclose() for client in clients))
+    if sglang:
+        config = WeightSyncConfig(
+            master_address=host,
+            master_port=_free_port(host) if pushing else 1,  # used on the pushing rank only
+            backend=backend,
+            weight_version=version,
+        )
+        sglang_clients = [
+            SGLangClient(ClientConfig(base_url=target.url)) for target in sglang if pushing
+        ]
+        try:
+            await sync_weights(
+                trainer,
+                sglang_clients,
+                config,
+                engine_tp_sizes=[target.tp_size for target in sglang],
+                root=root,
+                dtype=dtype,
+                checksum_device=checksum_device,
+            )
+        finally:
+            await asyncio.gather(*(client.aclose() for client in sglang_clients))
+
+
+def _free_port(host: str) -> int:
+    """A TCP port free on ``host`` now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def _expected(
