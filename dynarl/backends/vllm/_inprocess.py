@@ -60,7 +60,7 @@ from dynarl.backends._engine import (
     check_scores,
 )
 from dynarl.backends._server_process import describe_exit
-from dynarl.backends.vllm._launcher import VLLMServerConfig, server_env
+from dynarl.backends.vllm._launcher import VLLMServerConfig, engine_flags, server_env
 from dynarl.backends.vllm._wire import vllm_priority
 from dynarl.errors import BackendError
 
@@ -75,30 +75,10 @@ by default)."""
 
 
 def engine_argv(config: VLLMServerConfig) -> list[str]:
-    """The engine flags :func:`launch_command` gives a server for ``config`` (no server
-    flags), with ``extra_args`` last and the frontend's default stat logger off (dynarl
-    reads its own, :meth:`VLLMInProcessEngine.load`)."""
-    argv = [
-        "--model",
-        config.model,
-        "--dtype",
-        config.dtype,
-        "--scheduling-policy",
-        "priority",
-        "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching",
-        "--disable-log-stats",
-    ]
-    for flag, value in (
-        ("--max-model-len", config.max_model_len),
-        ("--max-num-seqs", config.max_num_seqs),
-        ("--num-gpu-blocks-override", config.num_gpu_blocks_override),
-        ("--worker-extension-cls", config.worker_extension_cls),
-    ):
-        if value is not None:
-            argv += [flag, str(value)]
-    if config.enforce_eager:
-        argv.append("--enforce-eager")
-    return argv + list(config.extra_args)
+    """The engine flags a server gets for ``config`` (:func:`engine_flags`; no server flags),
+    the frontend's default stat logger off (dynarl reads its own,
+    :meth:`VLLMInProcessEngine.load`), ``extra_args`` last."""
+    return [*engine_flags(config), "--disable-log-stats", *config.extra_args]
 
 
 def inprocess_env(config: VLLMServerConfig) -> dict[str, str]:

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from dynarl.backends._server_process import ManagedServer
 from dynarl.backends.vllm._client import VLLMClient, VLLMClientConfig
 
-__all__ = ["WEIGHT_RECEIVER", "VLLMServer", "VLLMServerConfig", "launch_command", "server_env"]
+__all__ = [
+    "WEIGHT_RECEIVER",
+    "VLLMServer",
+    "VLLMServerConfig",
+    "engine_flags",
+    "launch_command",
+    "server_env",
+]
 
 WEIGHT_RECEIVER = "dynarl.backends.vllm.worker_extension.WeightReceiver"
 """The worker extension that receives weight pushes (the server's interpreter must be able
@@ -105,25 +112,22 @@ class VLLMServerConfig:
 
 
 def launch_command(config: VLLMServerConfig, port: int) -> list[str]:
-    """The argv that starts ``config``'s server on ``port``."""
-    argv = [
-        config.python,
-        "-m",
-        config.module,
-        "--model",
-        config.model,
-        "--host",
-        config.host,
-        "--port",
-        str(port),
-        "--dtype",
-        config.dtype,
-        "--scheduling-policy",
-        "priority",
-        "--enable-scale-out",
-        "--enable-prompt-tokens-details",
-        "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching",
-    ]
+    """The argv that starts ``config``'s server on ``port``: the server's own flags (address,
+    the token-id route, cached-token counts), then :func:`engine_flags`, then
+    ``extra_args``."""
+    server = ["--host", config.host, "--port", str(port)]
+    server += ["--enable-scale-out", "--enable-prompt-tokens-details"]
+    return [config.python, "-m", config.module, *server, *engine_flags(config), *config.extra_args]
+
+
+def engine_flags(config: VLLMServerConfig) -> list[str]:
+    """The engine's flags for ``config`` (model, dtype, priority scheduling, prefix caching,
+    limits, the worker extension, eager mode): what a server and an in-process engine
+    (``VLLMInProcessEngine``) both take; not ``extra_args``."""
+    argv = ["--model", config.model, "--dtype", config.dtype, "--scheduling-policy", "priority"]
+    argv.append(
+        "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching"
+    )
     for flag, value in (
         ("--max-model-len", config.max_model_len),
         ("--max-num-seqs", config.max_num_seqs),
@@ -134,7 +138,7 @@ def launch_command(config: VLLMServerConfig, port: int) -> list[str]:
             argv += [flag, str(value)]
     if config.enforce_eager:
         argv.append("--enforce-eager")
-    return argv + list(config.extra_args)
+    return argv
 
 
 def server_env(config: VLLMServerConfig) -> dict[str, str]:
