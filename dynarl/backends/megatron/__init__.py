@@ -4,6 +4,9 @@ and loaded from / exported to Hugging Face checkpoint directories.
 
 - :class:`MegatronTrainer` — one rank of the trainer (:mod:`.trainer`); the model's
   architecture in :class:`GPTModelConfig`, training settings in :class:`MegatronTrainConfig`;
+- :class:`MegatronTrainerRole` — the trainer as a runtime component (``name="trainer"``):
+  streamed GRPO steps, checksums, grown and shrunk by P2P reshards; its options a
+  :class:`MegatronSetup` (model, settings, initial weights, parallel sizes);
 - :func:`sync_weights` — gather to one rank, Megatron → HF names and layouts, bucketed
   broadcast to SGLang engines, ``/weights_checker`` verification (:mod:`.sync`);
 - :func:`load_hf_checkpoint` / :func:`export_hf_checkpoint` — local HF directories
@@ -26,6 +29,8 @@ from dynarl.backends.megatron._hf_checkpoint import (
     write_hf_tensors,
 )
 from dynarl.backends.megatron._megatron_trainer import MegatronTrainer
+from dynarl.backends.megatron._role import MegatronTrainerRole
+from dynarl.backends.megatron._setup import MegatronSetup
 from dynarl.backends.megatron._sync import (
     SyncReport,
     check_hf_compatible,
@@ -39,8 +44,10 @@ from dynarl.backends.megatron._train_config import DTYPES, GPTModelConfig, Megat
 __all__ = [
     "DTYPES",
     "GPTModelConfig",
+    "MegatronSetup",
     "MegatronTrainConfig",
     "MegatronTrainer",
+    "MegatronTrainerRole",
     "SyncReport",
     "check_hf_compatible",
     "describe",

@@ -16,7 +16,12 @@ executor (weight sync, checkpoint export, state checksums). Training steps follo
 ``dynarl.backends.reference.Trainer``: the same global batch on every rank, micro-batch j on
 data-parallel rank ``j mod dp``, losses normalised by the policy tokens of the whole batch
 (so DDP sums gradients), GRPO or SFT loss. Pipeline stages are driven one micro-batch at a
-time (no 1F1B interleaving; Megatron's schedules allocate on CUDA only).
+time (no 1F1B interleaving; Megatron's schedules allocate on CUDA only). A streamed step
+(pp=1) is cut differently: :meth:`MegatronTrainer.micro_gradient` computes one micro-batch's
+gradient row (token sums, no collective over data parallelism) whenever it is complete, and
+:meth:`MegatronTrainer.apply_gradient` steps with the sum of a step's rows, which the caller
+forms (``dynarl.backends.megatron`` sums them in micro-batch order: bitwise the same for any
+number of data-parallel ranks).
 
 Megatron still reads a few process-wide globals (the tensor-parallel group of its
 vocab-parallel cross entropy, the RNG tracker): they are pointed at the current layout
@@ -33,18 +38,20 @@ import hashlib
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from dynarl.backends._grpo import StepStats, TrainSample
-from dynarl.backends.megatron._gpt_model import describe, import_megatron
+from dynarl.backends._grpo import StepStats, TrainSample, pad_samples
+from dynarl.backends.megatron._gpt_model import causal_inputs, describe, import_megatron
 from dynarl.backends.megatron._instance import LayoutInstance, build_instance
 from dynarl.backends.megatron._micro_batches import LossFn, grpo_loss, run_micro_batches, sft_loss
 from dynarl.backends.megatron._train_config import GPTModelConfig, MegatronTrainConfig
 from dynarl.errors import BackendError
 from dynarl.migrate import (
+    CommGroup,
     Layout,
     LayoutGroups,
     LayoutSpec,
@@ -59,6 +66,9 @@ from dynarl.migrate import (
 __all__ = ["MegatronTrainer"]
 
 logger = logging.getLogger(__name__)
+
+_ROW_SCALARS = 4
+"""Scalars at the end of a gradient row: loss, KL, clipped tokens, policy tokens."""
 
 
 class MegatronTrainer:
@@ -280,6 +290,85 @@ class MegatronTrainer:
             grad_norm=grad_norm,
         )
 
+    # ------------------------------------------------------------------ streamed steps
+    @property
+    def data_parallel_group(self) -> CommGroup:
+        """This rank's data-parallel group of the current layout (BackendError outside it)."""
+        return self._require().groups.groups["dp"]
+
+    @property
+    def row_size(self) -> int:
+        """Length of this rank's gradient rows (:meth:`micro_gradient`)."""
+        buffers = _grad_buffers(self._require().ddp)
+        return sum(int(b.grad_data.numel()) for b in buffers) + _ROW_SCALARS
+
+    def micro_gradient(self, samples: Sequence[TrainSample]) -> torch.Tensor:
+        """The gradient row of one micro-batch of a streamed GRPO step on this rank.
+
+        The row is this rank's flat gradient (Megatron DDP's buffers, in order) followed by
+        the micro-batch's loss, KL, clipped tokens and policy tokens, all as token *sums*:
+        the step divides by the policy tokens of the whole step (:meth:`apply_gradient`),
+        so a row can be computed as soon as its micro-batch is complete, on any
+        data-parallel rank, and the step is the sum of its rows in micro-batch order. The
+        weights must not change between the rows of one step. Collective over the
+        tensor-parallel group only. Raises ValueError on an empty micro-batch, missing
+        reference log-probs with a KL term, or a pipeline-parallel layout.
+        """
+        state = self._require()
+        assert state.layout.spec is not None
+        if state.layout.spec.pp > 1:
+            raise ValueError("streamed steps run on pp=1 layouts only (use train_step)")
+        if not samples:
+            raise ValueError("empty micro-batch")
+        if self.config.grpo.kl_coef > 0 and any(s.ref_logprobs is None for s in samples):
+            raise ValueError("kl_coef > 0 needs ref_logprobs on every sample")
+        state.ddp.zero_grad_buffer()  # type: ignore[operator]
+        state.optimizer.zero_grad()
+        tokens, mask = pad_samples(samples)
+        tokens, mask = tokens.to(self.device), mask.to(self.device)
+        logits = state.ddp(tokens, *causal_inputs(tokens))
+        loss, scalars = grpo_loss(self.config)(logits, tokens, mask, samples, 1.0)
+        torch.autograd.backward(loss)
+        count = torch.tensor([float(mask.sum())], device=self.device)
+        grads = [b.grad_data.detach().reshape(-1).float() for b in _grad_buffers(state.ddp)]
+        row = torch.cat([*grads, scalars.detach().float(), count])
+        state.ddp.zero_grad_buffer()  # type: ignore[operator]
+        return row
+
+    def apply_gradient(self, total: torch.Tensor, *, num_samples: int) -> StepStats:
+        """One optimizer step with ``total``, the sum of a step's rows (the same on every
+        rank of a data-parallel group): divided by the step's policy tokens, written into
+        DDP's gradient buffers and stepped as :meth:`train_step` steps (clipping included;
+        the norm is collective over the model-parallel group). Raises ValueError for a row
+        of another size."""
+        state = self._require()
+        buffers = _grad_buffers(state.ddp)
+        size = sum(b.grad_data.numel() for b in buffers)
+        if tuple(total.shape) != (size + _ROW_SCALARS,):
+            shape = tuple(total.shape)
+            raise ValueError(f"gradient row has shape {shape}, expected {size + _ROW_SCALARS}")
+        loss, kl, clipped, tokens = total[size:].tolist()
+        normalizer = max(1.0, tokens)
+        state.optimizer.zero_grad()
+        offset = 0
+        for buffer in buffers:
+            grad = buffer.grad_data
+            part = total[offset : offset + grad.numel()].view(grad.shape)
+            grad.copy_(part.to(grad.device) / normalizer)
+            offset += grad.numel()
+        grad_norm = state.optimizer.step()
+        state.ddp.zero_grad_buffer()  # type: ignore[operator]
+        self.version += 1
+        return StepStats(
+            version=self.version,
+            loss=loss / normalizer,
+            kl=kl / normalizer,
+            clip_fraction=clipped / normalizer,
+            num_tokens=int(tokens),
+            num_samples=num_samples,
+            grad_norm=grad_norm,
+        )
+
     # ------------------------------------------------------------------ full tensors
     def gather(self, root: int, *, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
         """Full tensors of the current layout assembled on ``root`` (collective over the
@@ -389,3 +478,9 @@ class MegatronTrainer:
         if self._current is not None:
             install_parallel_state(None)
         self._current = self._pending = None
+
+
+def _grad_buffers(ddp: Any) -> list[Any]:
+    """Megatron DDP's gradient buffers (dense, then expert-parallel), in order (its
+    ``buffers`` attribute hides ``nn.Module.buffers``)."""
+    return [*ddp.buffers, *ddp.expert_parallel_buffers]

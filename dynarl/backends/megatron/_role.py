@@ -1,0 +1,300 @@
+"""The Megatron-core trainer as a runtime role: :class:`MegatronTrainerRole`.
+
+One instance per trainer device, each driving its rank of a
+:class:`~dynarl.backends.megatron.MegatronTrainer` (options: a
+:class:`~dynarl.backends.megatron.MegatronSetup`, ``MegatronSetup.to_options()``). The
+layout over the component's devices is data parallel over what ``tp`` × ``pp`` leave. Calls
+(every worker of the component at once, SPMD, on the worker's compute thread):
+
+* ``learn(samples, old=...)``: the samples of some complete micro-batches (one prompt
+  group each, its index in the ``group`` metadata); each data-parallel rank takes every
+  ``dp``-th of them and keeps their gradient rows — as soon as the rollout delivers them,
+  on whichever devices the trainer holds at that moment;
+* ``step(num_micros=..., num_samples=...)``: the rows of every rank summed in micro-batch
+  order, one optimizer step (bitwise the same whatever the data-parallel size and arrival
+  order), and the state's checksum;
+* ``train_step(samples)``: one whole-batch step through Megatron DDP (gradients all-reduced
+  over data-parallel ranks: fast, not bitwise layout-independent);
+* ``checksum``: SHA-256 of the whole state (parameters, Adam state, version), identical on
+  every rank and for every layout; ``set_lr(lr=...)``.
+
+It is :class:`~dynarl.runtime.worker.Reshardable`: the runtime's P2P migration grows and
+shrinks it (create-before-destroy; the rows of a step in progress stay with the ranks that
+remain, and a rank holding rows refuses to leave). A component shrunk to no device sleeps
+in place with its state (the runtime's in-place reboot) and wakes on the same devices.
+Weight sync to rollout engines and KL to a reference policy are not offered here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dynarl.backends.megatron._grad_rows import GradientRows
+from dynarl.backends.megatron._hf_checkpoint import load_hf_checkpoint
+from dynarl.backends.megatron._megatron_trainer import MegatronTrainer
+from dynarl.backends.megatron._samples import micro_batches, train_sample
+from dynarl.backends.megatron._setup import MegatronSetup
+from dynarl.bus import MetaValue, Sample, WorkerGroup
+from dynarl.errors import BackendError
+from dynarl.migrate import Layout, LayoutGroups, Shard
+from dynarl.runtime.worker import RoleContext, RoleMetrics
+from dynarl.types import ComponentKind
+
+__all__ = ["MegatronTrainerRole"]
+
+logger = logging.getLogger(__name__)
+
+
+class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer"):
+    """The Megatron-core trainer component (see the module docstring); options: a
+    :class:`~dynarl.backends.megatron.MegatronSetup` (``MegatronSetup.to_options()``)."""
+
+    def __init__(self, ctx: RoleContext) -> None:
+        self.ctx = ctx
+        self.setup = MegatronSetup.from_options(ctx.options)
+        self._trainer: MegatronTrainer | None = None
+        self._rows = GradientRows()
+        self._lock = threading.Lock()
+        self._busy_s = 0.0
+        self._since = time.perf_counter()
+        self._running: float | None = None
+        self._completed = 0
+        self._queued = 0
+
+    # ------------------------------------------------------------------ layouts
+
+    @classmethod
+    def plan_layout(cls, options: Mapping[str, MetaValue], devices: tuple[int, ...]) -> Layout:
+        """The state's layout over ``devices`` (the controller's cost model uses it, on its
+        event loop: the first call for a model describes it, importing Megatron; a driver
+        calls ``MegatronSetup.param_specs()`` before the job to do that beforehand)."""
+        return MegatronSetup.from_options(options).layout(devices)
+
+    def layout(self, devices: tuple[int, ...]) -> Layout:
+        """The state's layout over ``devices``."""
+        return self.setup.layout(devices)
+
+    def _ensure(self) -> MegatronTrainer:
+        """This rank's trainer, created on first use (compute thread)."""
+        if self._trainer is None:
+            _local_world()
+            if self.setup.num_threads:
+                torch.set_num_threads(self.setup.num_threads)
+            self._trainer = MegatronTrainer(
+                self.setup.model,
+                self.setup.train,
+                rank=self.ctx.device,
+                store=self.ctx.store,
+                specs=self.setup.param_specs(),
+            )
+        return self._trainer
+
+    async def start(self) -> None:
+        """Build the layout's groups, model, DDP and optimizer from the initial weights
+        (a fresh activation; every rank of the component at once)."""
+        await self.ctx.compute(self._initialise)
+
+    def _initialise(self) -> None:
+        trainer = self._ensure()
+        trainer.start(self.setup.layout_spec(self.ctx.devices), epoch=self.ctx.epoch)
+        if self.setup.hf_path:
+            load_hf_checkpoint(trainer, self.setup.hf_path)
+        logger.info("megatron trainer rank %d: started on %s", self.ctx.device, self.ctx.devices)
+
+    async def close(self) -> None:
+        """Free the state and its groups (teardown)."""
+        trainer, self._trainer = self._trainer, None
+        self._rows.clear()
+        if trainer is not None:
+            await self.ctx.compute(trainer.close)
+
+    # ------------------------------------------------------------------ Reshardable
+
+    def shard_views(self) -> Mapping[Shard, torch.Tensor]:
+        """Views of this rank's shards (none when it holds no state)."""
+        return self._trainer.shard_views() if self._trainer is not None else {}
+
+    def allocate(self, layout: Layout, groups: LayoutGroups | None) -> Mapping[Shard, torch.Tensor]:
+        """Zeroed state for ``layout`` next to the current one; views of its shards.
+
+        Raises BackendError on a rank that would leave while holding gradient rows of the
+        step in progress (they would be lost).
+        """
+        if groups is None:
+            if len(self._rows):
+                raise BackendError(
+                    f"trainer rank {self.ctx.device} holds {len(self._rows)} gradient rows "
+                    "of the step in progress: it cannot leave before the step"
+                )
+            return {}
+        return self._ensure().allocate(layout, groups)
+
+    def commit(self, layout: Layout) -> None:
+        """Switch to the allocated state (its version from the step counters); free the old."""
+        if self._trainer is not None:
+            self._trainer.commit(layout)
+        if self.ctx.device not in layout.ranks:
+            self._rows.clear()
+
+    def discard(self, layout: Layout) -> None:
+        """Free what :meth:`allocate` built."""
+        if self._trainer is not None:
+            self._trainer.discard(layout)
+
+    # ------------------------------------------------------------------ metrics
+
+    def metrics(self) -> RoleMetrics:
+        """Busy share of the compute thread since the last call, micro-batches done."""
+        with self._lock:
+            now = time.perf_counter()
+            span = max(now - self._since, 1e-6)
+            busy = self._busy_s
+            if self._running is not None:
+                busy += now - max(self._running, self._since)
+            self._busy_s, self._since = 0.0, now
+            done, self._completed = self._completed, 0
+            queued = self._queued
+        return RoleMetrics(
+            utilization=min(1.0, busy / span),
+            queue_depth=queued,
+            in_flight=1 if queued else 0,
+            completed=done,
+        )
+
+    def _begin(self, queued: int = 0) -> float:
+        with self._lock:
+            self._running = time.perf_counter()
+            self._queued = queued
+            return self._running
+
+    def _account(self, began: float, done: int) -> None:
+        with self._lock:
+            self._busy_s += time.perf_counter() - max(began, self._since)
+            self._running = None
+            self._completed += done
+            self._queued = 0
+
+    # ------------------------------------------------------------------ calls
+
+    def _current(self) -> MegatronTrainer:
+        if self._trainer is None or self._trainer.layout is None:
+            raise BackendError(f"trainer rank {self.ctx.device} holds no state")
+        return self._trainer
+
+    def learn(
+        self, samples: Sequence[Sample], *, old: str = "current", num_samples: int = 0
+    ) -> dict[str, MetaValue]:
+        """Compute and keep the gradient rows of this rank's share of the complete
+        micro-batches in ``samples`` (see the module docstring). ``old``: ``current``
+        (on-policy ratio 1) or ``rollout`` (ratios against the samples' log-probs).
+        ``num_samples`` is accepted as the reference trainer's ``learn`` takes it, and not
+        used: the step's loss is normalised by its policy tokens, known at ``step``. Raises
+        ValueError for a sample without a micro-batch or one already learned here."""
+        trainer = self._current()
+        group = trainer.data_parallel_group
+        micros = micro_batches(samples)
+        mine = list(micros)[group.group_rank(self.ctx.device) :: len(group.ranks)]
+        held = [index for index in mine if index in self._rows.indices]
+        if held:
+            raise ValueError(f"micro-batches {held} already have gradient rows here")
+        began = self._begin(len(mine))
+        try:
+            for index in mine:
+                batch = [train_sample(sample, old=old) for sample in micros[index]]
+                self._rows.add(index, trainer.micro_gradient(batch))
+                with self._lock:
+                    self._queued -= 1
+        finally:
+            self._account(began, len(mine))
+        return {"computed": ",".join(map(str, mine)), "rows": len(self._rows)}
+
+    def step(
+        self,
+        samples: Sequence[Sample],
+        *,
+        num_micros: int,
+        num_samples: int = 0,
+        checksum: bool = True,
+    ) -> dict[str, MetaValue]:
+        """Sum every rank's rows in micro-batch order and take one optimizer step
+        (collective over the layout); the step's figures and, with ``checksum``, the new
+        state's. Raises BackendError unless the ranks hold exactly micro-batches
+        ``0 .. num_micros - 1`` (the rows are then kept)."""
+        trainer = self._current()
+        began = self._begin()
+        try:
+            total = self._rows.total(
+                num_micros,
+                row_size=trainer.row_size,
+                group=trainer.data_parallel_group.pg,
+                device=trainer.device,
+            )
+            stats = trainer.apply_gradient(total, num_samples=num_samples)
+            self._rows.clear()
+            out: dict[str, MetaValue] = {
+                "version": stats.version,
+                "loss": stats.loss,
+                "kl": stats.kl,
+                "clip_fraction": stats.clip_fraction,
+                "grad_norm": stats.grad_norm,
+                "num_tokens": stats.num_tokens,
+            }
+            if checksum:
+                out["checksum"] = trainer.state_checksum()
+        finally:
+            self._account(began, 0)
+        return out
+
+    def train_step(
+        self, samples: Sequence[Sample], *, old: str = "current"
+    ) -> dict[str, MetaValue]:
+        """One whole-batch GRPO step on ``samples`` (in the order given, the same on every
+        rank) through Megatron DDP. Raises ValueError while rows of a streamed step are
+        held here, or for an empty batch."""
+        trainer = self._current()
+        if len(self._rows):
+            raise ValueError("a streamed step is in progress (rows held): call step first")
+        began = self._begin(1)
+        try:
+            stats = trainer.train_step([train_sample(s, old=old) for s in samples])
+        finally:
+            self._account(began, 1)
+        return {
+            "version": stats.version,
+            "loss": stats.loss,
+            "kl": stats.kl,
+            "clip_fraction": stats.clip_fraction,
+            "grad_norm": stats.grad_norm,
+            "num_tokens": stats.num_tokens,
+        }
+
+    def set_lr(self, samples: Sequence[Sample], *, lr: float) -> dict[str, MetaValue]:
+        """Use learning rate ``lr`` from the next step on (ValueError unless > 0)."""
+        self._current().set_lr(lr)
+        return {"lr": lr}
+
+    def checksum(self, samples: Sequence[Sample]) -> dict[str, MetaValue]:
+        """SHA-256 of the whole state (collective), the weight version and the rows held."""
+        trainer = self._current()
+        return {
+            "checksum": trainer.state_checksum(),
+            "version": trainer.version,
+            "rows": len(self._rows),
+        }
+
+
+def _local_world() -> None:
+    """Give this process a one-rank default process group if it has none (idempotent).
+
+    Megatron DDP reads the default group; the trainer builds its real groups explicitly
+    over the job's store and needs only this local stand-in (an in-memory store).
+    """
+    if not dist.is_initialized():
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
