@@ -27,7 +27,13 @@ from vllm_support import MAX_NUM_SEQS, greedy_request
 
 from dynarl.backends.serving import ScoreRequest
 from dynarl.backends.sglang import SGLangServer, SGLangServerConfig, SGLangServerEngine
-from dynarl.backends.vllm import VLLMEngine, VLLMServer, WeightPusher
+from dynarl.backends.vllm import (
+    VLLMClient,
+    VLLMClientConfig,
+    VLLMEngine,
+    VLLMServer,
+    WeightPusher,
+)
 
 from .test_weight_push import LOGPROB_TOL, forward_logprobs, perturbed, teacher_forced
 
@@ -129,3 +135,71 @@ def test_a_megatron_trainers_weights_reach_the_engines(
     assert list(out.logprobs) == pytest.approx(expected, abs=LOGPROB_TOL)
     full = teacher_forced(model, request.token_ids + out.token_ids)
     assert list(scores) == pytest.approx(full, abs=LOGPROB_TOL)
+
+
+def test_a_job_trains_with_the_megatron_role_and_pushes_to_its_rollout_engine(
+    vllm_server: VLLMServer, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The production job's loop, one step: a rollout on the real vLLM engine generates a
+    group, the Megatron trainer role (loaded from the engine's own checkpoint) takes a GRPO
+    step on it and pushes its weights to the engine the rollout names; the next generation
+    reports the new version and differs."""
+    from dynarl.backends.megatron import (
+        MegatronSetup,
+        MegatronTrainConfig,
+        MegatronTrainerRole,
+        engine_targets,
+    )
+    from dynarl.backends.serving import EngineRollout, EngineSetup
+    from dynarl.bus import GenerationRequest, pack_tokens, unpack_floats
+    from dynarl.runtime import VERSIONS as VERSION_KEY
+    from dynarl.runtime import ComponentSpec, Job, JobConfig, RuntimeConfig, decode_versions
+    from dynarl.sched import SchedulerConfig
+
+    safetensors = pytest.importorskip("safetensors.torch")
+    original = safetensors.load_file(str(tiny_model / "model.safetensors"))
+    rollout = EngineSetup(urls={"0": vllm_server.url}, max_num_seqs=MAX_NUM_SEQS, ignore_eos=True)
+    trainer = MegatronSetup.from_hf(
+        tiny_model, train=MegatronTrainConfig(lr=3e-2, device="cpu"), num_threads=1
+    )
+    specs = [
+        ComponentSpec(role=EngineRollout, devices=(0,), options=rollout.to_options()),
+        ComponentSpec(role=MegatronTrainerRole, devices=(1,), options=trainer.to_options()),
+    ]
+    runtime = RuntimeConfig(scheduler=SchedulerConfig(observe_only=True))
+    config = JobConfig(run_dir=str(tmp_path / "run"), runtime=runtime)
+    prompt = pack_tokens(list(greedy_request("p", 1, seed=9).token_ids))
+
+    def group(step: int) -> list[GenerationRequest]:
+        return [
+            GenerationRequest(
+                sample_id=f"s{step}-{i}",
+                token_ids=prompt,
+                max_new_tokens=12,
+                temperature=0.0,
+                metadata={"group": 0, "seed_id": i, "advantage": 1.0 - i},
+            )
+            for i in range(2)
+        ]
+
+    async def generate(job: Job, step: int) -> list[Any]:
+        job.submit("rollout", group(step))
+        out = job.output("rollout")
+        return [await out.get() for _ in range(2)]
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        async with asyncio.timeout(600), Job(specs, config) as job:
+            before = await generate(job, 0)
+            await job.call("trainer", "train_step", before)
+            addresses = await job.call("rollout", "engine_address")
+            await job.call("trainer", "push_weights", engines=engine_targets(addresses), version=1)
+            after = await generate(job, 1)
+            client = VLLMClient(VLLMClientConfig(base_url=vllm_server.url))
+            async with client, WeightPusher([client]) as pusher:
+                await pusher.push(original, "0")  # the original, for later tests
+            return before, after
+
+    before, after = asyncio.run(main())
+    assert all(decode_versions(str(s.metadata[VERSION_KEY])) == [0] * 12 for s in before)
+    assert all(decode_versions(str(s.metadata[VERSION_KEY])) == [1] * 12 for s in after)
+    assert list(unpack_floats(after[0].logprobs)) != list(unpack_floats(before[0].logprobs))

@@ -168,3 +168,27 @@ def test_a_streamed_step_is_the_whole_batch_step(solo: Any) -> None:
     finally:
         streamed.close()
         whole.close()
+
+
+def test_push_targets_come_from_the_rollouts_addresses_or_are_refused() -> None:
+    from dynarl.backends.megatron import EngineTarget, engine_targets
+    from dynarl.backends.megatron._role import engine_targets_of
+    from dynarl.runtime import CallResult
+
+    addresses = [
+        CallResult(device=3, values={"kind": "sglang", "url": "http://h:2", "name": "b"}),
+        CallResult(device=1, values={"kind": "vllm", "url": "http://h:1", "name": "a"}),
+    ]
+    assert engine_targets_of(engine_targets(addresses)) == [
+        EngineTarget("vllm", "http://h:1"),
+        EngineTarget("sglang", "http://h:2"),
+    ]
+    in_process = [CallResult(device=0, values={"kind": "vllm", "url": "", "name": "x"})]
+    for bad, why in (
+        (engine_targets(in_process), "http"),
+        ("[]", "no engines"),
+        ("{", "engine_targets' JSON list"),
+        ('[{"kind": "tgi", "url": "http://h"}]', "'vllm' or 'sglang'"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            engine_targets_of(bad)

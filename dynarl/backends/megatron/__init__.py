@@ -9,6 +9,10 @@ and loaded from / exported to Hugging Face checkpoint directories.
   :class:`MegatronSetup` (model, settings, initial weights, parallel sizes);
 - :func:`sync_weights` — gather to one rank, Megatron → HF names and layouts, bucketed
   broadcast to SGLang engines, ``/weights_checker`` verification (:mod:`.sync`);
+  :func:`sync_weights_vllm` the same into vLLM engines through a
+  :class:`~dynarl.backends.vllm.WeightPusher`; :func:`push_to_engines` to every
+  :class:`EngineTarget` a rollout names, either kind (the role's ``push_weights`` call;
+  :func:`engine_targets` turns a serving role's ``engine_address`` results into its option);
 - :func:`load_hf_checkpoint` / :func:`export_hf_checkpoint` — local HF directories
   (safetensors or torch ``.bin``, sharded or not) with the same name map (:mod:`.checkpoint`).
 
@@ -29,20 +33,24 @@ from dynarl.backends.megatron._hf_checkpoint import (
     write_hf_tensors,
 )
 from dynarl.backends.megatron._megatron_trainer import MegatronTrainer
-from dynarl.backends.megatron._role import MegatronTrainerRole
+from dynarl.backends.megatron._role import MegatronTrainerRole, engine_targets
 from dynarl.backends.megatron._setup import MegatronSetup
 from dynarl.backends.megatron._sync import (
+    EngineTarget,
     SyncReport,
     check_hf_compatible,
     from_hf,
     hf_names,
+    push_to_engines,
     sync_weights,
+    sync_weights_vllm,
     to_hf,
 )
 from dynarl.backends.megatron._train_config import DTYPES, GPTModelConfig, MegatronTrainConfig
 
 __all__ = [
     "DTYPES",
+    "EngineTarget",
     "GPTModelConfig",
     "MegatronSetup",
     "MegatronTrainConfig",
@@ -51,14 +59,17 @@ __all__ = [
     "SyncReport",
     "check_hf_compatible",
     "describe",
+    "engine_targets",
     "export_hf_checkpoint",
     "from_hf",
     "hf_config",
     "hf_names",
     "load_hf_checkpoint",
     "model_config_from_hf",
+    "push_to_engines",
     "read_hf_tensors",
     "sync_weights",
+    "sync_weights_vllm",
     "to_hf",
     "write_hf_tensors",
 ]

@@ -22,11 +22,16 @@ It is :class:`~dynarl.runtime.worker.Reshardable`: the runtime's P2P migration g
 shrinks it (create-before-destroy; the rows of a step in progress stay with the ranks that
 remain, and a rank holding rows refuses to leave). A component shrunk to no device sleeps
 in place with its state (the runtime's in-place reboot) and wakes on the same devices.
-Weight sync to rollout engines and KL to a reference policy are not offered here.
+``push_weights(engines=..., version=N)`` pushes the current weights to the rollout's
+engines (vLLM through dynarl's worker extension, SGLang by its update-from-distributed
+sequence; the engines' addresses from the serving role's ``engine_address`` call, turned
+into the option by :func:`engine_targets`). KL to a reference policy is not offered here.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import threading
 import time
@@ -40,13 +45,15 @@ from dynarl.backends.megatron._hf_checkpoint import load_hf_checkpoint
 from dynarl.backends.megatron._megatron_trainer import MegatronTrainer
 from dynarl.backends.megatron._samples import micro_batches, train_sample
 from dynarl.backends.megatron._setup import MegatronSetup
+from dynarl.backends.megatron._sync import EngineTarget, push_to_engines
 from dynarl.bus import MetaValue, Sample, WorkerGroup
 from dynarl.errors import BackendError
 from dynarl.migrate import Layout, LayoutGroups, Shard
+from dynarl.runtime import CallResult
 from dynarl.runtime.worker import RoleContext, RoleMetrics
 from dynarl.types import ComponentKind
 
-__all__ = ["MegatronTrainerRole"]
+__all__ = ["MegatronTrainerRole", "engine_targets", "engine_targets_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +281,27 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
             "num_tokens": stats.num_tokens,
         }
 
+    def push_weights(
+        self,
+        samples: Sequence[Sample],
+        *,
+        engines: str,
+        version: int,
+        host: str = "127.0.0.1",
+        backend: str = "gloo",
+    ) -> dict[str, MetaValue]:
+        """Push the current weights to the rollout's engines as ``version`` (every rank of
+        the trainer: the gather is collective; the layout's first rank pushes, hosting the
+        groups on ``host``, an address the engines reach). ``engines``: a JSON list of what
+        the serving role's ``engine_address`` call answers (``kind`` and ``url`` of each;
+        :func:`engine_targets` makes it). Raises ValueError for unreadable ``engines`` or an
+        in-process engine (no URL), BackendError when an engine refuses or its weights
+        differ afterwards."""
+        targets = engine_targets_of(engines)
+        trainer = self._current()
+        asyncio.run(push_to_engines(trainer, targets, str(version), host=host, backend=backend))
+        return {"version": version, "engines": len(targets)}
+
     def set_lr(self, samples: Sequence[Sample], *, lr: float) -> dict[str, MetaValue]:
         """Use learning rate ``lr`` from the next step on (ValueError unless > 0)."""
         self._current().set_lr(lr)
@@ -287,6 +315,25 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
             "version": trainer.version,
             "rows": len(self._rows),
         }
+
+
+def engine_targets(addresses: Sequence[CallResult]) -> str:
+    """The ``engines`` option of :meth:`MegatronTrainerRole.push_weights` from the results
+    of a serving component's ``engine_address`` call (one per device, in device order)."""
+    ordered = sorted(addresses, key=lambda result: result.device)
+    return json.dumps([{"kind": r.values.get("kind"), "url": r.values.get("url")} for r in ordered])
+
+
+def engine_targets_of(engines: str) -> list[EngineTarget]:
+    """:func:`engine_targets`' text back as targets; ValueError naming what is wrong."""
+    try:
+        entries = json.loads(engines)
+        targets = [EngineTarget(kind=e["kind"], url=e["url"]) for e in entries]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"push_weights: engines must be engine_targets' JSON list: {exc}") from exc
+    if not targets:
+        raise ValueError("push_weights: no engines to push to")
+    return targets
 
 
 def _local_world() -> None:
