@@ -13,18 +13,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from dynarl.backends._grpo import TrainSample
+from dynarl.backends._sample_keys import ADVANTAGE, ENV_SPANS, GROUP, SEED_ID, policy_mask
 from dynarl.bus import Sample, unpack_floats, unpack_tokens
 
 __all__ = ["ADVANTAGE", "ENV_SPANS", "GROUP", "SEED_ID", "micro_batches", "train_sample"]
-
-GROUP = "group"
-"""Index of the sample's micro-batch (its prompt group) in the step."""
-ADVANTAGE = "advantage"
-"""The sample's GRPO advantage (0 when absent)."""
-ENV_SPANS = "env"
-"""Response token spans the environment wrote (``"start:end,..."``), not the policy."""
-SEED_ID = "seed_id"
-"""Integer that orders the samples of a micro-batch (default: the sample id)."""
 
 
 def micro_batches(samples: Sequence[Sample]) -> dict[int, list[Sample]]:
@@ -50,7 +42,7 @@ def train_sample(sample: Sample, *, old: str = "current") -> TrainSample:
     tokens = tuple(int(t) for t in unpack_tokens(sample.token_ids))
     if sample.prompt_len < 1 or len(tokens) <= sample.prompt_len:
         raise ValueError(f"sample {sample.sample_id} needs a prompt and response tokens")
-    policy = _policy_mask(sample, len(tokens) - sample.prompt_len)
+    policy = tuple(policy_mask(sample))
     advantage = sample.metadata.get(ADVANTAGE, 0.0)
     olds = None
     if old == "rollout":
@@ -64,16 +56,6 @@ def train_sample(sample: Sample, *, old: str = "current") -> TrainSample:
         advantage=float(advantage) if isinstance(advantage, int | float) else 0.0,
         old_logprobs=olds,
     )
-
-
-def _policy_mask(sample: Sample, length: int) -> tuple[bool, ...]:
-    mask = [True] * length
-    spans = sample.metadata.get(ENV_SPANS)
-    for part in spans.split(",") if isinstance(spans, str) and spans else ():
-        start, _, end = part.partition(":")
-        for i in range(max(int(start), 0), min(int(end), length)):
-            mask[i] = False
-    return tuple(mask)
 
 
 def _order(sample: Sample) -> tuple[int, str]:
