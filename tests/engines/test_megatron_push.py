@@ -81,6 +81,7 @@ async def weight_version_of(url: str) -> str:
         return str((await engine.client.model_info())["weight_version"])
 
 
+@pytest.mark.slow  # ~45 s on two cores beyond the shared servers; the job test below stays
 def test_a_megatron_trainers_weights_reach_the_engines(
     vllm_server: VLLMServer, tiny_model: Path, tmp_path: Path
 ) -> None:
