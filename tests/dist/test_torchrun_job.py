@@ -94,6 +94,8 @@ def steps(run_dir: Path) -> list[dict[str, object]]:
     return list(result["steps"])
 
 
+@pytest.mark.slow  # ~50 s on two cores; make test runs the job file under torchrun through
+# tests/dist/test_examples_launch.py (examples/torchrun_two_node.sh)
 def test_a_job_file_under_torchrun_trains_as_on_the_local_launcher(tmp_path: Path) -> None:
     args = [*JOB_ARGS, "--cache", str(tmp_path / "cache")]
     # (b) first: it makes the warm start the torchrun job then reads from the cache.
