@@ -33,13 +33,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
-import time
 from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from dynarl.backends._compute_meter import ComputeMeter
 from dynarl.backends.megatron._grad_rows import GradientRows
 from dynarl.backends.megatron._hf_checkpoint import load_hf_checkpoint
 from dynarl.backends.megatron._megatron_trainer import MegatronTrainer
@@ -67,12 +66,7 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
         self.setup = MegatronSetup.from_options(ctx.options)
         self._trainer: MegatronTrainer | None = None
         self._rows = GradientRows()
-        self._lock = threading.Lock()
-        self._busy_s = 0.0
-        self._since = time.perf_counter()
-        self._running: float | None = None
-        self._completed = 0
-        self._queued = 0
+        self._meter = ComputeMeter()
 
     # ------------------------------------------------------------------ layouts
 
@@ -158,34 +152,7 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
 
     def metrics(self) -> RoleMetrics:
         """Busy share of the compute thread since the last call, micro-batches done."""
-        with self._lock:
-            now = time.perf_counter()
-            span = max(now - self._since, 1e-6)
-            busy = self._busy_s
-            if self._running is not None:
-                busy += now - max(self._running, self._since)
-            self._busy_s, self._since = 0.0, now
-            done, self._completed = self._completed, 0
-            queued = self._queued
-        return RoleMetrics(
-            utilization=min(1.0, busy / span),
-            queue_depth=queued,
-            in_flight=1 if queued else 0,
-            completed=done,
-        )
-
-    def _begin(self, queued: int = 0) -> float:
-        with self._lock:
-            self._running = time.perf_counter()
-            self._queued = queued
-            return self._running
-
-    def _account(self, began: float, done: int) -> None:
-        with self._lock:
-            self._busy_s += time.perf_counter() - max(began, self._since)
-            self._running = None
-            self._completed += done
-            self._queued = 0
+        return self._meter.reading()
 
     # ------------------------------------------------------------------ calls
 
@@ -210,15 +177,14 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
         held = [index for index in mine if index in self._rows.indices]
         if held:
             raise ValueError(f"micro-batches {held} already have gradient rows here")
-        began = self._begin(len(mine))
+        began = self._meter.begin(len(mine))
         try:
             for index in mine:
                 batch = [train_sample(sample, old=old) for sample in micros[index]]
                 self._rows.add(index, trainer.micro_gradient(batch))
-                with self._lock:
-                    self._queued -= 1
+                self._meter.dequeue()
         finally:
-            self._account(began, len(mine))
+            self._meter.account(began, len(mine))
         return {"computed": ",".join(map(str, mine)), "rows": len(self._rows)}
 
     def step(
@@ -234,7 +200,7 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
         state's. Raises BackendError unless the ranks hold exactly micro-batches
         ``0 .. num_micros - 1`` (the rows are then kept)."""
         trainer = self._current()
-        began = self._begin()
+        began = self._meter.begin()
         try:
             total = self._rows.total(
                 num_micros,
@@ -255,7 +221,7 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
             if checksum:
                 out["checksum"] = trainer.state_checksum()
         finally:
-            self._account(began, 0)
+            self._meter.account(began, 0)
         return out
 
     def train_step(
@@ -267,11 +233,11 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
         trainer = self._current()
         if len(self._rows):
             raise ValueError("a streamed step is in progress (rows held): call step first")
-        began = self._begin(1)
+        began = self._meter.begin(1)
         try:
             stats = trainer.train_step([train_sample(s, old=old) for s in samples])
         finally:
-            self._account(began, 1)
+            self._meter.account(began, 1)
         return {
             "version": stats.version,
             "loss": stats.loss,

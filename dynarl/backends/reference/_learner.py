@@ -23,13 +23,12 @@ rows refuses to leave). Blocking methods run on the worker's compute thread.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 import torch
 
+from dynarl.backends._compute_meter import ComputeMeter
 from dynarl.backends._grpo import TrainSample
 from dynarl.backends.reference._accumulate import GradientBook
 from dynarl.backends.reference._gpt import local_world
@@ -110,12 +109,7 @@ class ReferenceTrainer(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer"):
         self._rank: _Rank | None = None
         self._pending: _Rank | None = None
         self._book: GradientBook | None = None
-        self._lock = threading.Lock()
-        self._busy_s = 0.0
-        self._since = time.perf_counter()
-        self._running: float | None = None
-        self._completed = 0
-        self._queued = 0
+        self._meter = ComputeMeter()
 
     # ------------------------------------------------------------------ layouts
 
@@ -200,32 +194,7 @@ class ReferenceTrainer(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer"):
 
     def metrics(self) -> RoleMetrics:
         """Busy share of the compute thread since the last call, micro-batches done."""
-        with self._lock:
-            now = time.perf_counter()
-            span = max(now - self._since, 1e-6)
-            busy = self._busy_s
-            if self._running is not None:
-                busy += now - max(self._running, self._since)
-            self._busy_s, self._since = 0.0, now
-            done, self._completed = self._completed, 0
-            queued = self._queued
-        return RoleMetrics(
-            utilization=min(1.0, busy / span),
-            queue_depth=queued,
-            in_flight=1 if queued else 0,
-            completed=done,
-        )
-
-    def _begin(self) -> float:
-        with self._lock:
-            self._running = time.perf_counter()
-            return self._running
-
-    def _account(self, began: float, done: int) -> None:
-        with self._lock:
-            self._busy_s += time.perf_counter() - max(began, self._since)
-            self._running = None
-            self._completed += done
+        return self._meter.reading()
 
     # ------------------------------------------------------------------ calls
 
@@ -241,7 +210,7 @@ class ReferenceTrainer(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer"):
         micro-batches in ``samples`` (see the module docstring). ``old``: ``current``
         (on-policy ratio 1) or ``rollout`` (ratios against the log-probs the samples were
         generated with). Raises ValueError for a micro-batch already learned here."""
-        began = self._begin()
+        began = self._meter.begin()
         rank = self._current()
         assert self._book is not None
         groups: dict[int, list[Sample]] = defaultdict(list)
@@ -253,15 +222,13 @@ class ReferenceTrainer(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer"):
         indices = sorted(groups)
         dp, me = rank.trainer.dp_size, rank.trainer.dp_rank
         mine = indices[me::dp]
-        with self._lock:
-            self._queued = len(mine)
+        self._meter.queue(len(mine))
         for index in mine:
             micro = sorted(groups[index], key=_seed_id)
             batch = self._train_samples(rank, micro, old)
             self._book.add(index, rank.trainer.micro_gradient(batch, num_samples=num_samples))
-            with self._lock:
-                self._queued -= 1
-        self._account(began, len(mine))
+            self._meter.dequeue()
+        self._meter.account(began, len(mine))
         return {"computed": ",".join(map(str, mine)), "rows": len(self._book)}
 
     def _train_samples(self, rank: _Rank, micro: Sequence[Sample], old: str) -> list[TrainSample]:
@@ -285,7 +252,7 @@ class ReferenceTrainer(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer"):
         """Sum every rank's rows in micro-batch order and take one Adam step (collective
         over the trainer's DP group). Raises BackendError unless the ranks hold exactly
         micro-batches ``0 .. num_micros - 1``."""
-        began = self._begin()
+        began = self._meter.begin()
         rank = self._current()
         assert self._book is not None
         dp_group = rank.groups.groups["dp"].pg
@@ -294,7 +261,7 @@ class ReferenceTrainer(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer"):
         )
         stats = rank.trainer.apply_gradient(total, num_samples=num_samples, num_tokens=num_tokens)
         self._book.clear()
-        self._account(began, 0)
+        self._meter.account(began, 0)
         return {
             "version": stats.version,
             "loss": stats.loss,
@@ -310,7 +277,7 @@ class ReferenceTrainer(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer"):
         """Send the parameters to the rollout devices ``rollout`` (``"0,1"``), planned by
         the migrate planner; a copy for this process's own (sleeping) engine goes to the
         worker's shared slot."""
-        began = self._begin()
+        began = self._meter.begin()
         rank = self._current()
         devices = [int(d) for d in rollout.split(",") if d]
         plan = sync_plan(self.setup.model, self.ctx.devices, devices)
@@ -326,7 +293,7 @@ class ReferenceTrainer(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer"):
         version = rank.trainer.version
         if result.state:
             self.ctx.shared[WEIGHTS_SLOT] = (version, result.state)
-        self._account(began, 0)
+        self._meter.account(began, 0)
         sent = result.report.bytes_sent if result.report is not None else 0
         return {"version": version, "bytes_sent": sent, "local": bool(result.state)}
 
