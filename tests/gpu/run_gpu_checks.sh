@@ -8,13 +8,18 @@
 #    through the executor (NCCL migration group, CUDA checksums); the weight sync from a CUDA
 #    trainer to a fake SGLang engine; the reshard executor's CUDA checksum; SGLang's Triton
 #    tensor hash against dynarl's CPU re-implementation (when the sglang 0.5.23 wheel is
-#    cached in $DYNARL_SGLANG_WHEEL_DIR).
+#    cached in $DYNARL_SGLANG_WHEEL_DIR); test_megatron_role_gpu.py: the Megatron trainer
+#    role on CUDA in a real Job, grown from one device to two by a P2P reshard over NCCL and
+#    shrunk back (state checksums kept; two GPUs, one per worker), and push_to_engines from
+#    a CUDA trainer to the fake SGLang server (its version and checksums checked), over gloo
+#    (one GPU) and over NCCL (the fake receiving on the second GPU).
 # 2. The GPU benchmarks a host of this size can run: `bench/megatron_sync.py --device cuda`.
 #
 # Several NCCL ranks cannot share one GPU, so everything with two NCCL ranks
-# (test_migrate_nccl.py, the two-rank test in test_megatron_gpu.py, the benchmark above) needs
-# a host with two or more GPUs and reports "skipped" with that reason here. bench/reshard.py is
-# a four-rank gloo (CPU) benchmark with no NCCL mode; it is not run here.
+# (test_migrate_nccl.py, the two-rank test in test_megatron_gpu.py, the role's reshard and
+# the NCCL push in test_megatron_role_gpu.py, the benchmark above) needs a host with two or
+# more GPUs and reports "skipped" with that reason here. bench/reshard.py is a four-rank
+# gloo (CPU) benchmark with no NCCL mode; it is not run here.
 #
 # Results under $OUT (default ./gpu-results): gpu-pytest.log, gpu-junit.xml,
 # bench-megatron-sync.json and gpu-summary.json (environment, per-test outcomes, benchmark).

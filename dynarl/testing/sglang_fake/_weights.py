@@ -151,6 +151,9 @@ class UpdateGroups:
         self.tp_size = tp_size
         self.timeout_s = timeout_s
         self.groups: dict[str, ProcessGroup] = {}
+        self.devices: dict[str, str] = {}
+        """Where each group's broadcasts land: ``cuda`` (this process's current GPU) for an
+        NCCL group, else ``cpu``; the model takes them on the CPU either way."""
 
     async def join(self, body: Any) -> tuple[bool, str]:
         """``/init_weights_update_group``: blocks until every member joined."""
@@ -172,11 +175,13 @@ class UpdateGroups:
             logger.error(message)
             return False, message
         self.groups[body.group_name] = group
+        self.devices[body.group_name] = "cuda" if body.backend == "nccl" else "cpu"
         return True, "Succeeded to initialize custom process group."
 
     async def leave(self, group_name: str) -> tuple[bool, str]:
         """``/destroy_weights_update_group``."""
         group = self.groups.pop(group_name, None)
+        self.devices.pop(group_name, None)
         if group is None:
             return False, "The group to be destroyed does not exist."
         await asyncio.to_thread(close_update_group, group)
@@ -189,7 +194,7 @@ class UpdateGroups:
                 f"Group {body.group_name} not in {list(self.groups)}. "
                 "Please call `init_weights_update_group` first."
             )
-        group = self.groups[body.group_name]
+        group, device = self.groups[body.group_name], self.devices[body.group_name]
         if body.load_format == "flattened_bucket":
             error = _alignment_error(body.names, body.dtypes, body.shapes)
             if error is not None:
@@ -198,11 +203,13 @@ class UpdateGroups:
                 TensorMeta(name=n, dtype=d, shape=tuple(s))
                 for n, d, s in zip(body.names, body.dtypes, body.shapes, strict=True)
             )
-            return await receive_bucket(group, Bucket(tensors=metas), self.timeout_s)
+            bucket = await receive_bucket(group, Bucket(tensors=metas), self.timeout_s, device)
+            return [(name, tensor.cpu()) for name, tensor in bucket]
         received = []
         for name, dtype, shape in zip(body.names, body.dtypes, body.shapes, strict=True):
             meta = TensorMeta(name=name, dtype=dtype, shape=tuple(shape))
-            received.append((name, await receive_tensor(group, meta, self.timeout_s)))
+            tensor = await receive_tensor(group, meta, self.timeout_s, device)
+            received.append((name, tensor.cpu()))
         return received
 
     async def aclose(self) -> None:
