@@ -20,7 +20,16 @@ Prints a table and, last, one JSON line:
 
 Wall times are measured on a shared machine: run it more than once and read the spread.
 
+``--engine vllm`` runs the same job on real vLLM engines (one server per device, started
+once) and the Megatron trainer (:mod:`dynarl.demo._engine_demo`), every schedule
+``--repetitions`` times alternating, and prints, last, one JSON line: ``speedup_vs_static``
+and ``speedup_vs_best_split`` (medians), ``ratios`` (every repetition's run over dynarl's),
+``manifests_equal``, ``versions_as_expected``, ``replay_checksums_equal`` and
+``logprob_max_abs_diff`` (see :class:`~dynarl.demo._engine_demo.EngineComparison`); no
+simulator prediction there.
+
     .venv/bin/python bench/e2e.py [--steps N] [--devices N] [--task tool_calc|chain_sum]
+        [--engine reference|vllm] [--prompts N] [--repetitions N]
 """
 
 from __future__ import annotations
@@ -259,8 +268,13 @@ def main() -> int:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--task", default="tool_calc", choices=("tool_calc", "chain_sum"))
     parser.add_argument("--cache", default="runs/.cache", help="warm-start cache directory")
+    parser.add_argument("--engine", default="reference", choices=("reference", "vllm"))
+    parser.add_argument("--prompts", type=int, default=8, help="vllm: prompts per step")
+    parser.add_argument("--repetitions", type=int, default=3, help="vllm: runs per schedule")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.engine == "vllm":
+        return _engine_main(args)
     config = replace(
         ExperimentConfig(), num_steps=args.steps, num_devices=args.devices, task=args.task
     )
@@ -314,6 +328,54 @@ def main() -> int:
             }
         )
     )
+    return 0
+
+
+def _engine_main(args: argparse.Namespace) -> int:
+    """``--engine vllm``: the repetitions on real engines; the JSON line last."""
+    import os
+
+    from dynarl.demo._engine_demo import (
+        EngineDemoConfig,
+        EnginePool,
+        prepare_model,
+        run_repetitions,
+    )
+
+    experiment = replace(
+        ExperimentConfig(),
+        num_steps=args.steps,
+        num_devices=args.devices,
+        task=args.task,
+        num_prompts=args.prompts,
+    )
+    config = EngineDemoConfig(
+        experiment=experiment,
+        repetitions=args.repetitions,
+        python=os.environ.get("DYNARL_VLLM_PYTHON", sys.executable),
+    )
+    model = prepare_model(config, args.cache)
+
+    async def runs(root: Path) -> Any:
+        async with EnginePool(model, config, log_dir=root / "engines") as pool:
+            return await run_repetitions(
+                config, experiment.setup(), model, pool, root, note=lambda text: print(text)
+            )
+
+    with tempfile.TemporaryDirectory(prefix="dynarl-e2e-vllm-") as tmp:
+        comparison = asyncio.run(runs(Path(tmp)))
+    for label, results in comparison.runs.items():
+        walls = ", ".join(f"{r.wall_s:.2f}" for r in results)
+        print(f"{label:>12}: median {comparison.medians[label]:7.2f} s  ({walls})")
+    sys.stdout.flush()
+    figures = comparison.to_json() | {
+        "num_steps": experiment.num_steps,
+        "num_prompts": experiment.num_prompts,
+        "num_devices": experiment.num_devices,
+        "task": experiment.task,
+        "repetitions": config.repetitions,
+    }
+    print(json.dumps(figures))
     return 0
 
 

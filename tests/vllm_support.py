@@ -36,17 +36,6 @@ module.write_tiny_llama(sys.argv[2], seed=0)
 """
 
 
-def missing_vllm(python: str) -> str | None:
-    """Why ``python`` cannot run vLLM, or None if it can (looked up, not imported: slow)."""
-    if not os.path.exists(python):
-        return f"DYNARL_VLLM_PYTHON={python} does not exist"
-    probe = "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"
-    done = subprocess.run([python, "-c", probe], capture_output=True, timeout=120, check=False)
-    if done.returncode != 0:
-        return f"vllm is not importable by {python} (set DYNARL_VLLM_PYTHON to an env with it)"
-    return None
-
-
 def write_tiny_llama(python: str, directory: Path) -> Path:
     """Write the tiny random Llama (seed 0) to ``directory`` with ``python``, which has
     ``transformers`` and ``tokenizers`` (vLLM brings both; the project's venv has neither).

@@ -290,3 +290,8 @@ class Engine(Protocol):
     async def set_weight_version(self, version: str) -> None:
         """Label the weights in force: tokens sampled from now on report ``version``."""
         ...
+
+    async def weight_version(self) -> str:
+        """The label in force (what the last :meth:`set_weight_version` or weight push set;
+        the engine's own default before either)."""
+        ...

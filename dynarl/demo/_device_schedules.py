@@ -197,3 +197,9 @@ class StepReport:
     """Longest response, tokens."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase: rollout, barrier, learn, step, sync, switch."""
+    stale_tokens: int = 0
+    """Trained tokens generated under another weight version than the step's rollout was
+    served under (0: every token on-policy, as the schedule expects)."""
+    logprob_gap: float | None = None
+    """Largest gap between the engines' log-prob of a trained token and the trainer's,
+    teacher-forced (real engines; None where not measured)."""

@@ -29,7 +29,16 @@ token, reward and parameter — is the same under every :class:`Schedule`:
 
 Every move is a real migration through the runtime's coordinator and ledger; where the
 devices go at each switch is decided and carried out by
-:mod:`~dynarl.demo._phase_moves`. Runs on the caller's event loop.
+:mod:`~dynarl.demo._phase_moves`.
+
+The same loop drives real engines and the Megatron trainer (``dynarl demo --engine vllm``):
+given :class:`EngineWeights`, the trainer pushes its weights to every engine after each step
+(and its initial weights before the first: the engines are reloaded for each run), the
+rollout labels the version, and every learn call also measures how far the engines'
+log-probs of the learned tokens are from the trainer's. Every step reports the tokens it
+trained on that carry another weight version than the one its rollout was served under
+(``StepReport.stale_tokens``: 0 on-policy) and keeps the samples it trained on, in update
+order (:attr:`GRPODriver.trained`), for a replay. Runs on the caller's event loop.
 """
 
 from __future__ import annotations
@@ -45,14 +54,33 @@ from dynarl.bus import MetaValue, Sample
 from dynarl.demo._device_schedules import DriverProgress, RunPlan, Schedule, StepReport
 from dynarl.demo._phase_moves import DeviceMover
 from dynarl.errors import BackendError
-from dynarl.runtime import CallResult, Job
+from dynarl.runtime import CallResult, Job, stale_tokens
 
-__all__ = ["GRPODriver"]
+__all__ = ["EngineWeights", "GRPODriver"]
 
 logger = logging.getLogger(__name__)
 
 
 Observer = Callable[[DriverProgress], None]
+
+
+class EngineWeights:
+    """How weights reach real engines: the trainer pushes to every engine (``targets``: the
+    ``engines`` option of ``MegatronTrainerRole.push_weights``, every device's engine, so
+    engines asleep or not in the rollout now are current when they serve again) and the
+    rollout labels the version it serves."""
+
+    def __init__(self, targets: str) -> None:
+        self.targets = targets
+
+    async def push(self, job: Job, version: int) -> None:
+        """The trainer's weights to every engine as ``version`` (the trainer holds devices)."""
+        await job.call("trainer", "push_weights", engines=self.targets, version=version)
+
+    async def label(self, job: Job, version: int) -> None:
+        """The rollout's engines serve ``version`` from now on (no-op without devices)."""
+        if job.allocation.devices("rollout"):
+            await job.call("rollout", "set_weight_version", version=version)
 
 
 class GRPODriver:
@@ -77,6 +105,7 @@ class GRPODriver:
         resume_where_left: bool = False,
         move_cost_s: float = 0.2,
         always_grow: bool = False,
+        weights: EngineWeights | None = None,
     ) -> None:
         if num_prompts < 1 or chunk_micros < 1:
             raise ValueError("GRPODriver needs num_prompts >= 1 and chunk_micros >= 1")
@@ -99,6 +128,12 @@ class GRPODriver:
         self._left = False
         self._micro_s: float | None = None
         """Seconds one trainer rank took per micro-batch in its last learn call."""
+        self.weights = weights
+        """Real engines' weight path (None: the reference engines' sync)."""
+        self._gap: float | None = None
+        """This step's largest engine-vs-trainer log-prob gap (real engines only)."""
+        self.trained: list[tuple[Sample, ...]] = []
+        """Per step, the samples trained on in update order (micro-batch order)."""
         self._mover = DeviceMover(
             job,
             plan,
@@ -126,6 +161,8 @@ class GRPODriver:
         """
         if self.plan.schedule is Schedule.DYNARL and self.resume_where_left:
             self._left = True
+        if self.weights is not None:  # the engines reloaded with the trainer's first weights
+            await self.weights.push(self.job, self.version)
         await self._enter_rollout()
         await self._check_versions()
 
@@ -150,6 +187,8 @@ class GRPODriver:
     async def _enter_rollout(self) -> None:
         self._progress("switch")
         await self._mover.enter_rollout(resume=self.resume_where_left and self._left)
+        if self.weights is not None:
+            await self.weights.label(self.job, self.version)
 
     async def _checksum(self) -> str:
         results = await self.job.call("trainer", "checksum")
@@ -167,7 +206,8 @@ class GRPODriver:
         """Run GRPO step ``step``; raises BackendError when a move, a call or a sample fails."""
         began = time.perf_counter()
         self._step, self._learned, self._final = step, set(), False
-        self._turns = 0
+        self._turns, self._gap = 0, None
+        served = self.version
         dynarl = self.plan.schedule is Schedule.DYNARL
         problems = self.task.problems(step=step, num_problems=self.num_prompts)
         episodes = self._episodes = Episodes(self.setup, self.task, step, problems)
@@ -209,7 +249,7 @@ class GRPODriver:
         await self._enter_rollout()
         await self._check_versions()
         phases["switch"] = time.perf_counter() - mark
-        return self._record(step, episodes, stats, began, phases, learned_early)
+        return self._record(step, episodes, stats, began, phases, learned_early, served)
 
     async def _collect(
         self,
@@ -261,14 +301,18 @@ class GRPODriver:
             chunk = pending[:limit]
             samples = [s for g in chunk for s in episodes.micro_batch(g)]
             began = time.perf_counter()
+            extra = {"logprob_gap": True} if self.weights is not None else {}
             results = await self.job.call(
-                "trainer", "learn", samples, num_samples=episodes.num_samples
+                "trainer", "learn", samples, num_samples=episodes.num_samples, **extra
             )
             per_rank = math.ceil(len(chunk) / max(1, len(results)))
             self._micro_s = (time.perf_counter() - began) / per_rank
             for result in results:
                 done = str(result.values.get("computed", ""))
                 self._learned.update(int(g) for g in done.split(",") if g)
+                gap = result.values.get("logprob_gap")
+                if isinstance(gap, float):
+                    self._gap = max(gap, self._gap or 0.0)
             self.job.set_remaining("trainer", episodes.num_groups - len(self._learned))
             self._progress()
 
@@ -289,6 +333,9 @@ class GRPODriver:
         """Weights to every engine: local copies where the trainer lives, transfers
         planned by the migrate planner to engines elsewhere."""
         self._progress("sync")
+        if self.weights is not None:
+            await self.weights.push(self.job, self.version)
+            return
         allocation = self.job.allocation
         trainer, rollout = allocation.devices("trainer"), allocation.devices("rollout")
         targets = ",".join(map(str, sorted(set(trainer) | set(rollout))))
@@ -315,9 +362,11 @@ class GRPODriver:
         began: float,
         phases: dict[str, float],
         learned_early: int,
+        served: int,
     ) -> StepReport:
         micros = [episodes.micro_batch(g) for g in range(episodes.num_groups)]
         order = [s for micro in micros for s in micro]
+        self.trained.append(tuple(order))
         lengths = [_response_len(s) for s in order]
         rewards = tuple(float(s.reward or 0.0) for s in order)
         resumed = sum(int(s.metadata.get("resumed", 0) or 0) for s in order)
@@ -340,6 +389,8 @@ class GRPODriver:
             mean_response_tokens=sum(lengths) / len(lengths),
             max_response_tokens=max(lengths),
             phases=phases,
+            stale_tokens=sum(stale_tokens(s, served) for s in order),
+            logprob_gap=self._gap,
         )
         logger.info(
             "%s step %d: reward %.3f loss %.4f in %.2f s (%d micro-batches learned early)",

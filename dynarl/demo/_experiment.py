@@ -35,7 +35,7 @@ from dynarl.backends.reference import (
     save_weights_file,
     warm_start,
 )
-from dynarl.bus import DecisionRecord, MigrationRecord
+from dynarl.bus import DecisionRecord, MigrationRecord, Sample
 from dynarl.demo._device_schedules import (
     DriverProgress,
     RunPlan,
@@ -43,13 +43,14 @@ from dynarl.demo._device_schedules import (
     StepReport,
     reference_components,
 )
-from dynarl.demo._driver import GRPODriver
-from dynarl.runtime import ForeignLoad, Job, JobConfig, LoadMeter, RuntimeConfig
+from dynarl.demo._driver import EngineWeights, GRPODriver
+from dynarl.runtime import ComponentSpec, ForeignLoad, Job, JobConfig, LoadMeter, RuntimeConfig
 from dynarl.sched import ComponentProfile, ProfilePoint, SchedulerConfig
 
 __all__ = [
     "Comparison",
     "ExperimentConfig",
+    "Observer",
     "RunResult",
     "compare",
     "plans",
@@ -255,6 +256,8 @@ class RunResult:
     load: ForeignLoad | None = None
     """The machine's CPU over the run, this job's and other processes' (None: not
     measured)."""
+    trained: tuple[tuple[Sample, ...], ...] = ()
+    """Per step, the samples the trainer learned, in update order (for a replay)."""
 
     @property
     def manifests(self) -> tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]:
@@ -277,16 +280,25 @@ async def run_plan(
     run_dir: str | Path,
     profiles: dict[str, ComponentProfile] | None = None,
     observer: Observer | None = None,
+    components: Sequence[ComponentSpec] | None = None,
+    weights: EngineWeights | None = None,
+    runtime: RuntimeConfig | None = None,
 ) -> RunResult:
     """Run ``config.num_steps`` GRPO steps under ``plan`` on a fresh job in ``run_dir``.
 
-    Raises BackendError (a failed move, call or sample) and the job's start-up errors.
+    The reference job's components by default; ``components`` (placed for ``plan``),
+    ``weights`` and ``runtime`` run the same loop on others — real engines and the Megatron
+    trainer (:mod:`~dynarl.demo._engine_demo`). Raises BackendError (a failed move, call
+    or sample) and the job's start-up errors.
     """
     run_dir = Path(run_dir)
     label = plan.label
-    components = reference_components(setup, plan, profiles=profiles)
+    if components is None:
+        components = reference_components(setup, plan, profiles=profiles)
     job_config = JobConfig(
-        num_devices=plan.num_devices, run_dir=str(run_dir), runtime=config.runtime()
+        num_devices=plan.num_devices,
+        run_dir=str(run_dir),
+        runtime=runtime if runtime is not None else config.runtime(),
     )
     async with Job(components, job_config) as job:
 
@@ -303,6 +315,7 @@ async def run_plan(
             resume_where_left=config.resume_where_left,
             move_cost_s=config.move_cost_s,
             always_grow=config.always_grow,
+            weights=weights,
         )
         await driver.prepare()
         clock = job.scheduler.clock
@@ -335,6 +348,7 @@ async def run_plan(
         reshards_verified=driver.reshards_verified,
         run_dir=str(run_dir),
         load=load,
+        trained=tuple(driver.trained),
     )
 
 

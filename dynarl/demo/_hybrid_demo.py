@@ -63,6 +63,7 @@ def job_configs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         task=args.task or "tool_calc",
         group_size=8,
         deterministic=False,
+        **({"sft_steps": args.sft_steps} if getattr(args, "sft_steps", None) is not None else {}),
     )
     pipeline = AsyncConfig(
         num_devices=devices,

@@ -10,7 +10,8 @@
 - roles see a :class:`RoleContext` and report :class:`RoleMetrics`; a call's reply is a
   :class:`CallResult`; serving outputs carry the metadata keys :data:`FINISH`,
   :data:`PROMPT_LEN`, :data:`RESUMED` and :data:`VERSIONS`
-  (:func:`encode_versions` / :func:`decode_versions`);
+  (:func:`encode_versions` / :func:`decode_versions`; :func:`stale_tokens` counts a
+  sample's tokens from another weight version);
 - :class:`MetricsExporter`: the controller's Prometheus endpoint;
 - :class:`LoadMeter` → :class:`ForeignLoad`: how much CPU other processes took while this
   process and everything it started ran (to flag a timing comparison made under load);
@@ -38,6 +39,7 @@ from dynarl.runtime._worker_protocol import (
     CallResult,
     decode_versions,
     encode_versions,
+    stale_tokens,
 )
 from dynarl.runtime.controller import MetricsExporter
 from dynarl.runtime.durable import CheckpointStore, Journal
@@ -67,4 +69,5 @@ __all__ = [
     "RuntimeConfig",
     "decode_versions",
     "encode_versions",
+    "stale_tokens",
 ]

@@ -93,6 +93,17 @@ def decode_versions(text: str) -> list[int]:
     return out
 
 
+def stale_tokens(sample: Sample, version: int) -> int:
+    """Generated tokens of ``sample`` sampled under another weight version than ``version``,
+    or with none recorded (its :data:`VERSIONS` hold one version per generated token, as
+    its ``logprobs`` hold one log-prob): 0 for an on-policy sample of ``version``. Raises
+    ValueError for malformed versions."""
+    text = sample.metadata.get(VERSIONS)
+    versions = decode_versions(text) if isinstance(text, str) else []
+    generated = len(sample.logprobs) // 4  # float32 each
+    return sum(v != version for v in versions) + abs(generated - len(versions))
+
+
 class Activate(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Host ``component``'s role on this worker and make it the active role."""
 

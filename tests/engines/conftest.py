@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_support import ENGINE_PYTHON, missing_vllm, server_config, write_tiny_llama
+from vllm_support import ENGINE_PYTHON, server_config, write_tiny_llama
 
 from dynarl.backends.sglang import SGLangServer
-from dynarl.backends.vllm import VLLMServer
+from dynarl.backends.vllm import VLLMServer, missing_vllm
 
 from .sglang_support import SGLANG_PYTHON, fake_server_config, missing_sglang
 from .sglang_support import server_config as sglang_server_config

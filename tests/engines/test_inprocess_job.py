@@ -16,9 +16,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from vllm_support import WAIT_S, missing_vllm, prompt
+from vllm_support import WAIT_S, prompt
 
 from dynarl.backends.serving import EngineInference, EngineRollout, EngineSetup
+from dynarl.backends.vllm import missing_vllm
 from dynarl.bus import GenerationRequest, Sample, pack_tokens, unpack_floats, unpack_tokens
 from dynarl.runtime import FINISH, VERSIONS, ComponentSpec, Job, JobConfig, RuntimeConfig
 from dynarl.runtime._worker_protocol import decode_versions

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from vllm_support import MAX_NUM_SEQS, WAIT_S, greedy_request, missing_vllm, prompt, server_config
+from vllm_support import MAX_NUM_SEQS, WAIT_S, greedy_request, prompt, server_config
 
 from dynarl.backends._engine import Engine, EngineLoad, EngineOutput, ScoreRequest
+from dynarl.backends.vllm import missing_vllm
 from dynarl.backends.vllm._inprocess import VLLMInProcessEngine
 from dynarl.errors import BackendError
 

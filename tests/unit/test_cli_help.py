@@ -102,18 +102,24 @@ def test_demo_help_shows_groups_defaults_choices_and_how_long_it_takes(
 
 
 def test_the_demo_help_states_the_defaults_the_demo_uses() -> None:
-    from dynarl.demo._demo import _config
+    from dynarl.demo._demo import config_from_args
+    from dynarl.demo._engine_demo import config_from
     from dynarl.demo._hybrid_demo import job_configs
 
     parser = commands()["demo"]
     helps = {a.dest: a.help or "" for a in parser._actions}
-    sync = _config(parser.parse_args([]))
+    sync = config_from_args(parser.parse_args([]))
     job, _, hybrid = job_configs(parser.parse_args(["--mode", "hybrid"]))
     assert f"(default: {sync.num_steps}; hybrid mode: {hybrid.num_steps})" in helps["steps"]
-    assert f"(default: {sync.num_prompts}; hybrid mode: {hybrid.num_groups})" in helps["prompts"]
+    vllm = config_from(parser.parse_args(["--engine", "vllm"])).experiment
+    assert (
+        f"(default: {sync.num_prompts}; hybrid mode: {hybrid.num_groups}; "
+        f"--engine vllm: {vllm.num_prompts})" in helps["prompts"]
+    )
+    assert f"hybrid mode: {job.num_devices}; --engine vllm: {vllm.num_devices})" in helps["devices"]
+    assert f"(default: {config_from(parser.parse_args([])).repetitions})" in helps["repetitions"]
     assert sync.num_devices == max(2, os.cpu_count() or 2)
     assert "the number of cores, at least 2" in helps["devices"]
-    assert f"hybrid mode: {job.num_devices})" in helps["devices"]
     assert sync.task == job.task and f"(default: {sync.task})" in helps["task"]
 
 

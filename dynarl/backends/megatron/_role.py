@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -85,6 +86,8 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
         """This rank's trainer, created on first use (compute thread)."""
         if self._trainer is None:
             _local_world()
+            if self.setup.train.device != "cpu":
+                _bind_gpu(self.ctx.device)
             if self.setup.num_threads:
                 torch.set_num_threads(self.setup.num_threads)
             self._trainer = MegatronTrainer(
@@ -162,13 +165,21 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
         return self._trainer
 
     def learn(
-        self, samples: Sequence[Sample], *, old: str = "current", num_samples: int = 0
+        self,
+        samples: Sequence[Sample],
+        *,
+        old: str = "current",
+        num_samples: int = 0,
+        logprob_gap: bool = False,
     ) -> dict[str, MetaValue]:
         """Compute and keep the gradient rows of this rank's share of the complete
         micro-batches in ``samples`` (see the module docstring). ``old``: ``current``
         (on-policy ratio 1) or ``rollout`` (ratios against the samples' log-probs).
         ``num_samples`` is accepted as the reference trainer's ``learn`` takes it, and not
-        used: the step's loss is normalised by its policy tokens, known at ``step``. Raises
+        used: the step's loss is normalised by its policy tokens, known at ``step``.
+        ``logprob_gap``: also answer the largest gap between the log-probs the rollout
+        reported for those samples' policy tokens and the trainer's own, teacher-forced
+        (an extra forward pass; ``logprob_gap`` in the reply, 0.0 for no sample). Raises
         ValueError for a sample without a micro-batch or one already learned here."""
         trainer = self._current()
         group = trainer.data_parallel_group
@@ -178,14 +189,21 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
         if held:
             raise ValueError(f"micro-batches {held} already have gradient rows here")
         began = self._meter.begin(len(mine))
+        gap = 0.0
         try:
             for index in mine:
                 batch = [train_sample(sample, old=old) for sample in micros[index]]
+                if logprob_gap:
+                    rollout = [train_sample(sample, old="rollout") for sample in micros[index]]
+                    gap = max(gap, trainer.logprob_gap(rollout))
                 self._rows.add(index, trainer.micro_gradient(batch))
                 self._meter.dequeue()
         finally:
             self._meter.account(began, len(mine))
-        return {"computed": ",".join(map(str, mine)), "rows": len(self._rows)}
+        out: dict[str, MetaValue] = {"computed": ",".join(map(str, mine)), "rows": len(self._rows)}
+        if logprob_gap:
+            out["logprob_gap"] = gap
+        return out
 
     def step(
         self,
@@ -300,6 +318,17 @@ def engine_targets_of(engines: str) -> list[EngineTarget]:
     if not targets:
         raise ValueError("push_weights: no engines to push to")
     return targets
+
+
+def _bind_gpu(device: int) -> None:
+    """On a machine with GPUs, make this worker's own GPU the current one — on the calling
+    thread, the compute thread every trainer call and reshard runs on (CUDA's current device
+    is per thread): the node-local index (``LOCAL_RANK`` under torchrun, else the job's
+    device id) modulo the GPUs this process sees. Two ranks of an NCCL group cannot share a
+    GPU, so without this every worker would train on GPU 0."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", device))
+        torch.cuda.set_device(local % torch.cuda.device_count())
 
 
 def _local_world() -> None:

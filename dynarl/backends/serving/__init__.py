@@ -31,7 +31,12 @@ from dynarl.backends._engine import (
     spans_of,
     versions_of,
 )
-from dynarl.backends.serving._role import CACHED_TOKENS, EngineInference, EngineRollout
+from dynarl.backends.serving._role import (
+    CACHED_TOKENS,
+    EngineInference,
+    EngineRollout,
+    request_seed,
+)
 from dynarl.backends.serving._setup import SETUP_OPTION, EngineSetup
 
 __all__ = [
@@ -49,6 +54,7 @@ __all__ = [
     "PauseMode",
     "ScoreRequest",
     "VersionSpan",
+    "request_seed",
     "spans_of",
     "versions_of",
 ]

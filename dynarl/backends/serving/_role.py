@@ -6,7 +6,8 @@ its server on ``start()`` and stops it on ``close()`` (or attaches to a running 
 runtime drives it as it drives the reference engine:
 
 - ``serve(GenerationRequest)`` sends the request's token ids to the engine with dynarl's
-  priority and sampling parameters and answers with the bus ``Sample``: prompt and new
+  priority and sampling parameters (its seed mixed with the sample id:
+  :func:`request_seed`) and answers with the bus ``Sample``: prompt and new
   tokens, each new token's log-probability and weight version (:data:`VERSIONS`), the
   engine's cached-prefix count (``cached_tokens``) and the device. A continuation — the
   runtime re-dispatching an aborted request with its partial output appended, the original
@@ -18,8 +19,9 @@ runtime drives it as it drives the reference engine:
   the engine's load as read every ``metrics_interval_s``: utilization is the larger of KV
   use and running requests over the engine's limit (:class:`EngineLoad`);
 - ``set_weight_version(version=N)`` (a call) labels the weights in force, so later tokens
-  report ``N``; ``engine_address()`` (a call) says where a trainer pushes weights to each
-  device's engine (kind, name, server URL).
+  report ``N`` (a launched engine starts at 0; a role attaching to a running server adopts
+  the version its label holds); ``engine_address()`` (a call) says where a trainer pushes
+  weights to each device's engine (kind, name, server URL).
 
 An engine that dies under the role (killed, crashed: a server this role launched exits)
 raises :class:`~dynarl.errors.EngineLostError` from ``serve`` and ``run``; the worker then
@@ -41,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import zlib
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
@@ -69,7 +72,7 @@ from dynarl.runtime import FINISH, VERSIONS, encode_versions
 from dynarl.runtime.worker import RoleContext, RoleMetrics
 from dynarl.types import ComponentKind
 
-__all__ = ["CACHED_TOKENS", "EngineInference", "EngineRollout"]
+__all__ = ["CACHED_TOKENS", "EngineInference", "EngineRollout", "request_seed"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +111,17 @@ class _EngineRole(WorkerGroup, abstract=True):
 
     async def start(self) -> None:
         """Start this device's engine (BackendError naming it, with its log tail, if it
-        cannot) and label its weights with version 0."""
+        cannot) and label its weights with version 0 — or, attached to a running server
+        whose label is a version (a trainer pushed to it while no role drove it, e.g. while
+        this device trained), adopt that version."""
         engine = self.setup.build(self.ctx.device, cpus=self.ctx.cpus)
         try:
             await engine.start()
-            await engine.set_weight_version(str(self.version))
+            label = await engine.weight_version() if self.setup.urls else ""
+            if _version(label) >= 0:
+                self.version = _version(label)
+            else:
+                await engine.set_weight_version(str(self.version))
         except BaseException:
             await engine.aclose()
             raise
@@ -269,7 +278,7 @@ class EngineRollout(_EngineRole, kind=ComponentKind.ROLLOUT, name="rollout"):
             max_new_tokens=item.max_new_tokens,
             temperature=item.temperature,
             top_p=item.top_p,
-            seed=item.seed,
+            seed=None if item.seed is None else request_seed(item.seed, item.sample_id),
             stop_token_ids=self.setup.stop_token_ids,
             ignore_eos=self.setup.ignore_eos,
             priority=item.priority,
@@ -340,6 +349,15 @@ class EngineInference(_EngineRole, kind=ComponentKind.INFERENCE, name="inference
 
     async def abort(self) -> None:
         """Nothing to cut short: each score is one prefill, and it finishes."""
+
+
+def request_seed(seed: int, sample_id: str) -> int:
+    """The engine's sampling seed for sample ``sample_id`` of a job seeded ``seed``: the bus
+    keys randomness by seed *and* sample id, while an engine seeds each request's generator
+    with one number — so a prompt group's episodes, which share the job's seed, must not
+    share it (they would sample the same tokens). Stable across processes (CRC-32), below
+    2**31."""
+    return zlib.crc32(f"{seed}:{sample_id}".encode()) & 0x7FFFFFFF
 
 
 def _version(label: str) -> int:

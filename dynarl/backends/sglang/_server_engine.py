@@ -176,6 +176,10 @@ class SGLangServerEngine(ServerEngine[SGLangServer, SGLangClient]):
                 f"engine {self.name}: /update_weight_version {version!r} refused: {result.message}"
             )
 
+    async def weight_version(self) -> str:
+        """``/model_info``'s ``weight_version``: the label in force."""
+        return str((await self.client.model_info()).get("weight_version", ""))
+
     # ------------------------------------------------------------------ mapping
 
     def _load(self, loads: LoadsReply) -> EngineLoad:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dynarl.backends.vllm._client import VLLMClient, VLLMClientConfig
 from dynarl.backends.vllm._engine import VLLMEngine
 from dynarl.backends.vllm._inprocess import VLLMInProcessEngine
-from dynarl.backends.vllm._launcher import VLLMServer, VLLMServerConfig
+from dynarl.backends.vllm._launcher import VLLMServer, VLLMServerConfig, missing_vllm
 from dynarl.backends.vllm._weight_push import PushReport, WeightPusher
 from dynarl.backends.vllm._wire import (
     GenerateRequest,
@@ -55,4 +55,5 @@ __all__ = [
     "VLLMServerConfig",
     "WeightPusher",
     "WeightVersionSpan",
+    "missing_vllm",
 ]

@@ -107,6 +107,10 @@ class VLLMEngine(ServerEngine[VLLMServer, VLLMClient]):
         """``/update_weight_version``: the label later tokens report."""
         await self.client.update_weight_version(version)
 
+    async def weight_version(self) -> str:
+        """``/weight_info``: the label in force."""
+        return await self.client.weight_version()
+
 
 def _vllm_request(request: EngineRequest) -> GenerateRequest:
     return GenerateRequest(

@@ -17,6 +17,7 @@ tail, and is stopped first. Runs on the caller's event loop.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ __all__ = [
     "VLLMServerConfig",
     "engine_flags",
     "launch_command",
+    "missing_vllm",
     "server_env",
 ]
 
@@ -190,3 +192,16 @@ class VLLMServer(ManagedServer):
                 base_url=self.url, num_attempts=1, timeout_s=5.0, connect_timeout_s=1.0
             )
         )
+
+
+def missing_vllm(python: str) -> str | None:
+    """Why the interpreter ``python`` cannot run a vLLM server (it does not exist, or vLLM is
+    not importable there), or None if it can. Looked up, not imported (an import takes
+    seconds): a subprocess, bounded at 2 minutes."""
+    if not os.path.exists(python):
+        return f"DYNARL_VLLM_PYTHON={python} does not exist"
+    probe = "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"
+    done = subprocess.run([python, "-c", probe], capture_output=True, timeout=120, check=False)
+    if done.returncode != 0:
+        return f"vllm is not importable by {python} (set DYNARL_VLLM_PYTHON to an env with it)"
+    return None
