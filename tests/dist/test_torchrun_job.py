@@ -16,82 +16,15 @@ the error named in the logs.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from torchrun_support import EXAMPLES, finish, result_steps, start, two_nodes
 
 pytestmark = pytest.mark.dist
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-EXAMPLES = ROOT / "examples"
-TESTS = ROOT / "tests"
-TIMEOUT_S = 240
 JOB_ARGS = ["--steps", "2", "--prompts", "3", "--group-size", "4", "--grow"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def environment() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    path = [str(EXAMPLES), str(TESTS), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
-    return env
-
-
-def start(command: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        # Its own session, so that everything it starts can be stopped as one group.
-        return subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=environment(),
-            start_new_session=True, cwd=ROOT,
-        )  # fmt: skip
-
-
-def finish(processes: list[subprocess.Popen[bytes]]) -> list[int]:
-    """Their exit statuses; whatever still runs after the timeout is killed, by group."""
-    try:
-        return [p.wait(timeout=TIMEOUT_S) for p in processes]
-    finally:
-        for p in processes:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
-
-
-def torchrun(node: int, port: int, tmp: Path, job: str, args: list[str]) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "2", "--nproc-per-node", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-        "--rdzv-id", "dynarl-job-test", "--rdzv-conf", f"is_host={int(node == 0)}",
-        "--monitor-interval", "0.5",
-        "-m", "dynarl.runtime.launch", "--job", job, "--job-dir", str(tmp / "job"),
-        "--rendezvous-timeout", "120", "--", *args,
-    ]  # fmt: skip
-    return start(command, tmp / f"node{node}.log")
-
-
-def two_nodes(tmp: Path, job: str, args: list[str]) -> tuple[list[int], str]:
-    (tmp / "job").mkdir(parents=True)
-    port = free_port()
-    codes = finish([torchrun(0, port, tmp, job, args), torchrun(1, port, tmp, job, args)])
-    logs = "\n".join((tmp / f"node{n}.log").read_text(errors="replace") for n in (0, 1))
-    return codes, logs
-
-
-def steps(run_dir: Path) -> list[dict[str, object]]:
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["num_devices"] == 2
-    return list(result["steps"])
 
 
 @pytest.mark.slow  # ~50 s on two cores; make test runs the job file under torchrun through
@@ -106,7 +39,8 @@ def test_a_job_file_under_torchrun_trains_as_on_the_local_launcher(tmp_path: Pat
     codes, logs = two_nodes(tmp_path / "torchrun", "torchrun_job:job", args)
     assert codes == [0, 0], logs[-6000:]
     assert "rank 1: the job ended" in logs and "rank 0: the job ended" in logs
-    local_steps, launched = steps(tmp_path / "local"), steps(tmp_path / "torchrun" / "job")
+    local_steps = result_steps(tmp_path / "local")
+    launched = result_steps(tmp_path / "torchrun" / "job")
     assert len(launched) == 2
     for here, there in zip(local_steps, launched, strict=True):
         assert here["manifest"] == there["manifest"]
