@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from test_demo import run
 
@@ -130,12 +130,13 @@ def test_stale_tokens_counts_other_versions_and_missing_ones(
     )
 
 
-@given(st.integers(0, 2**31 - 1))
+@given(st.integers(0, 2**63 - 1))
+@example(521965)  # CRC-32 gave two of these 4096 ids one seed
 def test_the_episodes_of_a_step_get_distinct_stable_seeds(seed: int) -> None:
     ids = [str(i) for i in range(2048)] + [f"{i}/t1" for i in range(2048)]  # turns too
     seeds = [request_seed(seed, sample_id) for sample_id in ids]
     assert len(set(seeds)) == len(ids)
-    assert all(0 <= s < 2**31 for s in seeds)
+    assert all(0 <= s < 2**63 for s in seeds)
     assert seeds == [request_seed(seed, sample_id) for sample_id in ids]
 
 
