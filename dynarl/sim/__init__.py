@@ -28,7 +28,7 @@ from dynarl.sim._specs import (
     StageSpec,
     VerlSpec,
 )
-from dynarl.sim._trace import build_trace
+from dynarl.sim._trace import IterationTrace, agentic_trace, build_trace
 from dynarl.sim._workload_file import (
     Workload,
     dump_workload,
@@ -44,6 +44,7 @@ __all__ = [
     "ClusterSpec",
     "DynarlPolicy",
     "EventLoop",
+    "IterationTrace",
     "LengthSpec",
     "MigrationSpec",
     "ModelSpec",
@@ -54,6 +55,7 @@ __all__ = [
     "StageSpec",
     "VerlSpec",
     "Workload",
+    "agentic_trace",
     "build_trace",
     "compare",
     "dump_workload",

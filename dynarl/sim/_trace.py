@@ -6,7 +6,10 @@ before or on the policy. Lengths are log-normal (the heavy tail of reasoning out
 clipped so a sequence never exceeds the batch's ``max_seq_len``. Agentic episodes have a
 geometric number of tool calls (skewed), turn outputs that shrink with the turn index
 (round 0 longest), log-normal tool latencies capped at the timeout and log-normal
-observation lengths. Pure: arrays in, arrays out.
+observation lengths. :func:`agentic_trace` draws the same from the specs alone (for a trace
+replayed on a real engine without a whole workload) and, given a ``tool_success_rate``
+below 1, each tool call's outcome, from a stream of its own so that the other draws do not
+depend on it. Pure: arrays in, arrays out.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from dynarl.sim._specs import AgenticSpec, BatchSpec, LengthSpec
 from dynarl.sim._workload_file import Workload
 
-__all__ = ["IterationTrace", "build_trace"]
+__all__ = ["IterationTrace", "agentic_trace", "build_trace"]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -42,6 +46,9 @@ class IterationTrace:
     """Tool latency after each turn, seconds (0 after the last turn)."""
     observation: IntArray
     """Tokens the tool result adds after each turn (0 after the last turn)."""
+    tool_ok: npt.NDArray[np.bool_] | None = None
+    """Whether the tool call after each turn succeeded (True after the last turn; None:
+    every call did)."""
 
     @property
     def num_samples(self) -> int:
@@ -74,14 +81,37 @@ def _lognormal(
 
 def build_trace(workload: Workload, iteration: int) -> IterationTrace:
     """Iteration ``iteration`` of ``workload``'s trace (deterministic in seed and index)."""
-    rng = np.random.default_rng([workload.seed, iteration])
-    batch, lengths = workload.batch, workload.lengths
+    return agentic_trace(
+        seed=workload.seed,
+        batch=workload.batch,
+        lengths=workload.lengths,
+        agentic=workload.agentic,
+        iteration=iteration,
+    )
+
+
+def agentic_trace(
+    *,
+    seed: int,
+    batch: BatchSpec,
+    lengths: LengthSpec,
+    agentic: AgenticSpec | None,
+    iteration: int = 0,
+    tool_success_rate: float = 1.0,
+) -> IterationTrace:
+    """Iteration ``iteration`` of the trace these specs draw (single turn without
+    ``agentic``); deterministic in ``seed`` and ``iteration``. Each tool call succeeds with
+    probability ``tool_success_rate`` (1: every call, and ``tool_ok`` is None). Raises
+    ValueError for a rate outside [0, 1]."""
+    if not 0.0 <= tool_success_rate <= 1.0:
+        raise ValueError(f"tool_success_rate must be in [0, 1], got {tool_success_rate}")
+    rng = np.random.default_rng([seed, iteration])
     n = batch.num_samples
     max_seq = batch.max_seq_len
     group = np.repeat(np.arange(batch.num_prompts, dtype=np.int64), batch.group_size)
     prompts = _lognormal(rng, lengths.prompt_median, lengths.prompt_sigma, batch.num_prompts)
     prompt = np.clip(np.rint(prompts), 1, max_seq // 4).astype(np.int64)[group]
-    spec = workload.agentic
+    spec = agentic
     if spec is None:
         out = _lognormal(rng, lengths.output_median, lengths.output_sigma, n)
         output = np.clip(np.rint(out), 1, max_seq - prompt).astype(np.int64)
@@ -112,6 +142,10 @@ def build_trace(workload: Workload, iteration: int) -> IterationTrace:
     last[start[1:] - 1] = True
     latency[last] = 0.0
     obs[last] = 0
+    ok = None
+    if tool_success_rate < 1.0:
+        outcomes = np.random.default_rng([seed, iteration, 1]).random(total)
+        ok = (outcomes < tool_success_rate) | last
     return _clip_episodes(
         iteration,
         prompt,
@@ -121,6 +155,7 @@ def build_trace(workload: Workload, iteration: int) -> IterationTrace:
         latency,
         obs.astype(np.int64),
         max_seq,
+        ok,
     )
 
 
@@ -133,6 +168,7 @@ def _clip_episodes(
     latency: FloatArray,
     obs: IntArray,
     max_seq: int,
+    ok: npt.NDArray[np.bool_] | None = None,
 ) -> IterationTrace:
     """Cut every episode where its context would pass ``max_seq`` (that turn ends it)."""
     turns = np.diff(start)
@@ -153,9 +189,11 @@ def _clip_episodes(
             output=output,
             tool_latency=latency,
             observation=obs,
+            tool_ok=ok,
         )
     keep = np.ones(output.shape[0], dtype=bool)
     output, latency, obs = output.copy(), latency.copy(), obs.copy()
+    ok = None if ok is None else ok.copy()
     for s in bad.tolist():
         context = int(prompt[s])
         for t in range(int(start[s]), int(start[s + 1])):
@@ -163,6 +201,8 @@ def _clip_episodes(
             if output[t] >= room or context + output[t] + obs[t] >= max_seq:
                 output[t] = max(1, min(int(output[t]), room))
                 latency[t], obs[t] = 0.0, 0
+                if ok is not None:
+                    ok[t] = True  # now the episode's last turn
                 keep[t + 1 : int(start[s + 1])] = False
                 break
             context += int(output[t] + obs[t])
@@ -175,4 +215,5 @@ def _clip_episodes(
         output=output[keep],
         tool_latency=latency[keep],
         observation=obs[keep],
+        tool_ok=None if ok is None else ok[keep],
     )

@@ -67,6 +67,7 @@ class Progress:
             affinity=Affinity(affinity) if affinity in set(Affinity) else Affinity.NONE,
             status=_int(meta.get("tool_calls")),
             cached_prefix=_int(meta.get("cached_prefix")),
+            attained_service=float(_int(meta.get("attained_service"))),
         )
 
     @property
@@ -172,5 +173,6 @@ class Progress:
             affinity=affinity,
             status=routed.status,
             cached_prefix=0,
-            attained_service=float(len(self.generated)),
+            attained_service=float(_int(self.original.metadata.get("attained_service")))
+            + len(self.generated),
         )
