@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 from dynarl.bus import MetaValue, WorkerGroup
 from dynarl.migrate import Layout
 from dynarl.runtime._faults import Fault
-from dynarl.sched import ComponentProfile, HyperNode, RequestPolicy, SchedulerConfig
+from dynarl.sched import (
+    ComponentProfile,
+    HyperNode,
+    PrefixCache,
+    RequestPolicy,
+    SchedulerConfig,
+)
 from dynarl.types import ComponentKind, MigrationKind
 
 __all__ = ["ComponentSpec", "RuntimeConfig"]
@@ -57,6 +63,14 @@ class ComponentSpec:
     request_policy: RequestPolicy | None = None
     """Order of the items waiting for each worker (serving components; None: DynaRL's
     priority — completed tool calls, then cached prefix — with bounded overtaking)."""
+    max_overtakes: int | None = 64
+    """No waiting item is overtaken by more than this many later arrivals (None: no bound;
+    ``Dispatcher.router.max_overtakes_seen`` says how many it took)."""
+    prefix_cache: PrefixCache | None = None
+    """The engines' prefix-cache layout (block size, capacity): the dispatcher then keeps a
+    shadow of each engine's cache and keys waiting generation requests by the prefix it
+    predicts cached (``Dispatcher.shadows.check``: predictions against reports). None: the
+    items' own ``cached_prefix`` metadata."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.role, type) and issubclass(self.role, WorkerGroup)):
@@ -67,6 +81,10 @@ class ComponentSpec:
             )
         if self.max_inflight < 1:
             raise ValueError(f"ComponentSpec.max_inflight must be >= 1, got {self.max_inflight}")
+        if self.max_overtakes is not None and self.max_overtakes < 0:
+            raise ValueError(
+                f"ComponentSpec.max_overtakes must be >= 0 or None, got {self.max_overtakes}"
+            )
 
     @property
     def name(self) -> str:

@@ -34,13 +34,16 @@ from dynarl.sched._predictor import (
     RegressionPredictor,
     ThroughputPredictor,
 )
+from dynarl.sched._prefix_shadow import PrefixCache, PrefixShadow
 from dynarl.sched._replicas import HybridController, HybridReplicas
 from dynarl.sched._requests import (
     FifoPolicy,
+    LeastAttainedServicePolicy,
     PriorityPolicy,
     QueuedRequest,
     RequestPolicy,
     RequestQueue,
+    ToolMlfqPolicy,
 )
 from dynarl.sched._router import DataRouter, RoutedItem
 from dynarl.sched._sched_config import SchedulerConfig
@@ -68,6 +71,7 @@ __all__ = [
     "HyperEdge",
     "HyperNode",
     "Hypergraph",
+    "LeastAttainedServicePolicy",
     "Ledger",
     "LedgerRecord",
     "ManualClock",
@@ -78,6 +82,8 @@ __all__ = [
     "MoveOutcome",
     "Node",
     "OperatorCommand",
+    "PrefixCache",
+    "PrefixShadow",
     "PriorityPolicy",
     "ProfilePoint",
     "QueuedRequest",
@@ -95,6 +101,7 @@ __all__ = [
     "StaticMigrationCost",
     "ThroughputPredictor",
     "Tick",
+    "ToolMlfqPolicy",
     "build_policy",
     "extract_graph",
     "format_summary",

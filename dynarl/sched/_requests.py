@@ -6,15 +6,21 @@ episode, closer to done and with their prefix still cached, go first. Aging boun
 starvation as a count: no request is overtaken by more than ``max_overtakes`` later
 arrivals. A request's overtake count is the number of later arrivals dispatched while it
 waits; it is largest for the oldest waiting request, so the queue only has to watch the
-oldest: once that one has been overtaken ``max_overtakes`` times it goes next. FIFO and
-least-attained-service are alternative :class:`RequestPolicy` s. Push, pop and re-keying
+oldest: once that one has been overtaken ``max_overtakes`` times it goes next; the queue
+counts every dispatched request's overtakes and keeps the largest
+(:attr:`RequestQueue.max_overtakes_seen`), so the bound can be checked. FIFO,
+least-attained-service (Autellix's PLAS when the attained service is the episode's) and a
+tool-aware multi-level feedback queue (:class:`ToolMlfqPolicy`) are alternative
+:class:`RequestPolicy` s. Push, pop and re-keying
 (when cache eviction shrinks a reusable prefix) are O(log n); removal is O(1). Lives in
 the engine's loop; not thread-safe.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import math
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -27,6 +33,7 @@ __all__ = [
     "QueuedRequest",
     "RequestPolicy",
     "RequestQueue",
+    "ToolMlfqPolicy",
 ]
 
 _WAITING, _DISPATCHED, _REMOVED = 0, 1, 2
@@ -44,6 +51,8 @@ class QueuedRequest:
     """m_r: tokens of its prompt the engine's prefix cache still holds."""
     attained_service: float = 0.0
     """Tokens its episode has generated so far (for least-attained-service)."""
+    tool_ok: bool = True
+    """Whether its episode's last tool call succeeded (True before any)."""
     seq: int = -1
     """Arrival order in this queue (set by the queue)."""
 
@@ -95,6 +104,46 @@ class LeastAttainedServicePolicy:
         return (request.attained_service,)
 
 
+@dataclass(frozen=True, slots=True)
+class ToolMlfqPolicy:
+    """A multi-level feedback queue over episodes, moved at turn boundaries by their tool
+    calls' outcomes (after Libra's C-MLFQ). The exact rule:
+
+    * the base level is set by the episode's attained service ``a``:
+      ``min(levels - 1, floor(log2(1 + a / quantum)))`` — level k holds episodes that have
+      generated ``[quantum·(2^k − 1), quantum·(2^(k+1) − 1))`` tokens;
+    * at each turn boundary the last tool call moves the episode one level: a failed call
+      down (it will likely retry and run long), a successful one up (closer to done);
+      a first turn stays at its base level;
+    * lower levels run first; arrival order within a level.
+    """
+
+    quantum: float = 256.0
+    """Tokens of attained service that fill level 0."""
+    levels: int = 4
+    """Number of levels."""
+    name: str = "cmlfq"
+
+    def __post_init__(self) -> None:
+        if self.quantum <= 0 or self.levels < 1:
+            raise ValueError(
+                f"ToolMlfqPolicy needs quantum > 0 and levels >= 1, got {self.quantum}, "
+                f"{self.levels}"
+            )
+
+    def level(self, request: QueuedRequest) -> int:
+        """The request's level (see the class docstring)."""
+        base = min(self.levels - 1, int(math.log2(1.0 + request.attained_service / self.quantum)))
+        if request.tool_calls == 0:
+            return base
+        moved = base - 1 if request.tool_ok else base + 1
+        return max(0, min(self.levels - 1, moved))
+
+    def key(self, request: QueuedRequest) -> tuple[float, ...]:
+        """``(level,)``."""
+        return (float(self.level(request)),)
+
+
 class RequestQueue:
     """Waiting requests of one engine (see the module docstring).
 
@@ -118,6 +167,12 @@ class RequestQueue:
         self._next_seq = 0
         self._dispatched = 0
         self._removed_below_head = 0
+        self._dispatched_seqs: list[int] = []
+        """Arrival orders of the dispatched requests not older than the oldest waiting one
+        (sorted): what a later dispatch can have been overtaken by."""
+        self.max_overtakes_seen = 0
+        """The most overtakes any dispatched request suffered (later arrivals dispatched
+        while it waited): never above ``max_overtakes``."""
 
     def __len__(self) -> int:
         return len(self._seq_of)
@@ -188,7 +243,8 @@ class RequestQueue:
         tool_calls: int | None = None,
         attained_service: float | None = None,
     ) -> QueuedRequest:
-        """Change a waiting request's fields and re-key it (it keeps its arrival order)."""
+        """Change a waiting request's fields and re-key it (it keeps its arrival order).
+        Also the way to re-key after the policy's inputs changed elsewhere."""
         if request_id not in self._seq_of:
             raise ValueError(f"request {request_id!r} is not queued")
         seq = self._seq_of[request_id]
@@ -221,6 +277,9 @@ class RequestQueue:
         self._state[seq] = state
         if state == _DISPATCHED:
             self._dispatched += 1
+            later = len(self._dispatched_seqs) - bisect.bisect_right(self._dispatched_seqs, seq)
+            self.max_overtakes_seen = max(self.max_overtakes_seen, later)
+            bisect.insort(self._dispatched_seqs, seq)
         self._compact()
         return request
 
@@ -229,6 +288,10 @@ class RequestQueue:
             seq = self._arrivals.popleft()
             if self._state.pop(seq) == _REMOVED:
                 self._removed_below_head += 1
+        head = self._arrivals[0] if self._arrivals else self._next_seq
+        below = bisect.bisect_left(self._dispatched_seqs, head)
+        if below:
+            del self._dispatched_seqs[:below]
 
     def _overtaken_oldest(self) -> int:
         """Later arrivals dispatched while the oldest waiting request waited."""

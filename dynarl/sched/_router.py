@@ -42,6 +42,8 @@ class RoutedItem:
     """Reusable prefix tokens on its sticky worker, if known."""
     attained_service: float = 0.0
     """Tokens its episode has generated so far."""
+    tool_ok: bool = True
+    """Whether its episode's last tool call succeeded."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,6 +79,7 @@ class DataRouter:
         self._max_overtakes = max_overtakes
         self.prefer_slack = prefer_slack
         self._queues: dict[int, RequestQueue] = {}
+        self._overtakes_of_removed = 0
         self._in_flight: dict[int, set[str]] = {}
         self.max_episodes = max_episodes
         self._sticky: OrderedDict[str, int] = OrderedDict()
@@ -88,6 +91,14 @@ class DataRouter:
     def workers(self) -> tuple[int, ...]:
         """Workers that accept items, ascending."""
         return tuple(sorted(self._queues))
+
+    @property
+    def max_overtakes_seen(self) -> int:
+        """The most overtakes any item dispatched from a worker's queue suffered (workers
+        removed since included)."""
+        return max(
+            [self._overtakes_of_removed, *(q.max_overtakes_seen for q in self._queues.values())]
+        )
 
     def add_worker(self, worker: int) -> None:
         """Start routing to ``worker``."""
@@ -103,6 +114,7 @@ class DataRouter:
         """
         queue = self._queue(worker)
         left = list(queue)
+        self._overtakes_of_removed = max(self._overtakes_of_removed, queue.max_overtakes_seen)
         del self._queues[worker]
         self._in_flight.pop(worker, None)
         self._sticky = OrderedDict((e, w) for e, w in self._sticky.items() if w != worker)
@@ -140,6 +152,7 @@ class DataRouter:
                     if self._sticky.get(item.episode) == worker
                     else 0,
                     attained_service=item.attained_service,
+                    tool_ok=item.tool_ok,
                 )
             )
             loads[worker] += 1

@@ -3,8 +3,9 @@
 The model keeps every waiting request with its overtake count (later arrivals dispatched
 while it waited) and picks the next request with heapq over (policy key, arrival); when
 the oldest waiting request has reached the bound, it goes instead. After every step:
-nothing is lost or duplicated, the queue's order equals the model's, and no waiting
-request has been overtaken more than the bound. One machine runs against every policy
+nothing is lost or duplicated, the queue's order equals the model's, no waiting
+request has been overtaken more than the bound, and the queue's record of the most
+overtakes a dispatched request suffered equals the model's. One machine runs against every policy
 and several bounds (a conformance factory).
 """
 
@@ -25,7 +26,7 @@ from hypothesis.stateful import (
 )
 
 from dynarl.sched import FifoPolicy, PriorityPolicy, QueuedRequest, RequestPolicy, RequestQueue
-from dynarl.sched._requests import LeastAttainedServicePolicy
+from dynarl.sched._requests import LeastAttainedServicePolicy, ToolMlfqPolicy
 
 
 def machine_for(policy: RequestPolicy, bound: int | None) -> type[RuleBasedStateMachine]:
@@ -40,6 +41,7 @@ def machine_for(policy: RequestPolicy, bound: int | None) -> type[RuleBasedState
             self.pushed: set[str] = set()
             self.gone: list[str] = []
             self.counter = 0
+            self.most_overtaken = 0
 
         def model_next(self) -> str:
             oldest = min(self.waiting.values(), key=lambda r: r.seq)
@@ -54,7 +56,7 @@ def machine_for(policy: RequestPolicy, bound: int | None) -> type[RuleBasedState
             for other in self.waiting.values():
                 if other.seq < seq:
                     self.overtaken[other.request_id] += 1
-            del self.overtaken[request_id]
+            self.most_overtaken = max(self.most_overtaken, self.overtaken.pop(request_id))
             self.gone.append(request_id)
 
         @rule(
@@ -62,8 +64,9 @@ def machine_for(policy: RequestPolicy, bound: int | None) -> type[RuleBasedState
             tool_calls=st.integers(0, 4),
             prefix=st.integers(0, 3),
             service=st.integers(0, 5),
+            ok=st.booleans(),
         )
-        def push(self, tool_calls: int, prefix: int, service: int) -> str:
+        def push(self, tool_calls: int, prefix: int, service: int, ok: bool) -> str:
             request_id = f"r{self.counter}"
             self.counter += 1
             queued = self.queue.push(
@@ -72,6 +75,7 @@ def machine_for(policy: RequestPolicy, bound: int | None) -> type[RuleBasedState
                     tool_calls=tool_calls,
                     cached_prefix=prefix * 100,
                     attained_service=float(service),
+                    tool_ok=ok,
                 )
             )
             self.waiting[request_id] = queued
@@ -135,6 +139,8 @@ def machine_for(policy: RequestPolicy, bound: int | None) -> type[RuleBasedState
         def overtaking_is_bounded(self) -> None:
             if bound is not None:
                 assert all(count <= bound for count in self.overtaken.values())
+                assert self.queue.max_overtakes_seen <= bound
+            assert self.queue.max_overtakes_seen == self.most_overtaken
 
     QueueMachine.__name__ = f"QueueMachine_{policy.name}_{bound}"
     return QueueMachine
@@ -147,3 +153,5 @@ TestPriorityBound2 = machine_for(PriorityPolicy(), 2).TestCase
 TestPriorityUnbounded = machine_for(PriorityPolicy(), None).TestCase
 TestFifoBound1 = machine_for(FifoPolicy(), 1).TestCase
 TestLasBound3 = machine_for(LeastAttainedServicePolicy(), 3).TestCase
+TestToolMlfqBound2 = machine_for(ToolMlfqPolicy(quantum=1.0, levels=3), 2).TestCase
+TestToolMlfqUnbounded = machine_for(ToolMlfqPolicy(quantum=1.0, levels=3), None).TestCase

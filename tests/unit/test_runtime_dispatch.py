@@ -318,3 +318,87 @@ def test_rlinf_303_a_resumed_sequence_at_its_limit_is_not_returned_twice() -> No
     buggy.generated("r0", 2, num_tokens=4)
     kinds = {v.kind for v in buggy.report().violations}
     assert {"redispatch_at_limit", "duplicate_generation"} <= kinds
+
+
+class CachingWorkers(Workers):
+    """Workers whose engine reports ``cached_tokens`` as an ideal block cache would: the
+    longest whole-block prefix of the prompt that a finished sequence shared, never the
+    last token (ample capacity: nothing is evicted)."""
+
+    BLOCK = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.finished: list[list[int]] = []
+        self.order: list[str] = []
+
+    async def serve(self, device: int, item: Any, *, deadline_s: float) -> Sample:
+        self.order.append(item.sample_id)
+        prompt = [int(t) for t in unpack_tokens(item.token_ids)]
+        shared = max((_common(prompt[:-1], seq) for seq in self.finished), default=0)
+        result = await super().serve(device, item, deadline_s=deadline_s)
+        self.finished.append([int(t) for t in unpack_tokens(result.token_ids)])
+        cached = shared // self.BLOCK * self.BLOCK
+        return msgspec.structs.replace(
+            result, metadata={**result.metadata, "cached_tokens": cached}
+        )
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("policy", ["priority", "fifo"])
+def test_the_cache_shadow_puts_a_cached_prefix_first_and_predicts_the_engine(policy: str) -> None:
+    from dynarl.sched import FifoPolicy, PrefixCache, PriorityPolicy
+
+    workers = CachingWorkers()
+
+    def request(sample_id: str, prompt: list[int], length: int) -> GenerationRequest:
+        return GenerationRequest(
+            sample_id=sample_id, token_ids=pack_tokens(prompt), max_new_tokens=length
+        )
+
+    async def scenario(d: Dispatcher, w: Workers, roles: Roles, out: list[Sample]) -> None:
+        d.add_worker(0)
+        d.submit([request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], 7)])
+        await delivered(out, 1)
+        context = [int(t) for t in unpack_tokens(out[0].token_ids)]
+        d.submit([request("x", [50, 51, 52], 30)])  # holds the only slot a while
+        await asyncio.sleep(0.01)
+        d.submit([request("b", [60, 61, 62, 63, 64, 65, 66, 67, 68], 3)])  # nothing cached
+        d.submit([request("c", [*context, 70, 71], 3)])  # a's 16 tokens cached
+        await delivered(out, 4)
+
+    async def main() -> tuple[list[Sample], Dispatcher]:
+        out: list[Sample] = []
+
+        async def sink(sample: Sample) -> None:
+            out.append(sample)
+
+        dispatcher = Dispatcher(
+            "rollout", link=workers, roles=Roles(), output=sink,  # type: ignore[arg-type]
+            max_inflight=1, item_timeout_s=30.0, drain_timeout_s=5.0,
+            policy=PriorityPolicy() if policy == "priority" else FifoPolicy(),
+            prefix_cache=PrefixCache(block_size=CachingWorkers.BLOCK, capacity_blocks=1000),
+        )  # fmt: skip
+        stop = asyncio.Event()
+        async with asyncio.timeout(30), asyncio.TaskGroup() as group:
+            group.create_task(dispatcher.run(stop))
+            await asyncio.sleep(0)
+            await scenario(dispatcher, workers, Roles(), out)
+            stop.set()
+        return out, dispatcher
+
+    out, dispatcher = asyncio.run(main())
+    assert workers.order == (["a", "x", "c", "b"] if policy == "priority" else ["a", "x", "b", "c"])
+    c = next(s for s in out if s.sample_id == "c")
+    assert c.metadata["cached_tokens"] == 16
+    assert dispatcher.shadows is not None
+    check = dispatcher.shadows.check
+    assert check.predictions == 4 and check.exact == 4 and check.abs_error_tokens == 0

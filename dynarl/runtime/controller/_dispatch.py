@@ -40,10 +40,11 @@ from dynarl.bus import Sample, unpack_tokens
 from dynarl.errors import BusError, PeerLostError, WorkerError
 from dynarl.migrate import PartialRequest
 from dynarl.runtime._worker_protocol import AbortInflight, Done
+from dynarl.runtime.controller._cache_shadows import CacheShadows
 from dynarl.runtime.controller._link import WorkerLink
 from dynarl.runtime.controller._losses import Losses
 from dynarl.runtime.controller._progress import Item, Progress
-from dynarl.sched import DataRouter, RequestPolicy
+from dynarl.sched import DataRouter, PrefixCache, QueuedRequest, RequestPolicy
 
 __all__ = ["Dispatcher", "SampleAccounting", "WorkerRoles"]
 
@@ -97,6 +98,8 @@ class Dispatcher:
         drain_timeout_s: float,
         policy: RequestPolicy | None = None,
         losses: Losses | None = None,
+        max_overtakes: int | None = 64,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         """``losses``: the job's worker losses (None: this dispatcher never hears of one)."""
         if max_inflight < 1:
@@ -105,7 +108,7 @@ class Dispatcher:
         self._link, self._roles, self._output = link, roles, output
         self.max_inflight = max_inflight
         self.item_timeout_s, self.drain_timeout_s = item_timeout_s, drain_timeout_s
-        self.router = DataRouter((), policy=policy)
+        self.router = DataRouter((), policy=policy, max_overtakes=max_overtakes)
         self._items: dict[str, Progress] = {}
         self._parked: list[str] = []
         self._inflight: dict[int, set[str]] = {}
@@ -121,6 +124,9 @@ class Dispatcher:
         self.num_resumed = 0
         self.accounting: SampleAccounting | None = None
         """Told of every generation attempt, when set."""
+        self.shadows = CacheShadows(prefix_cache) if prefix_cache is not None else None
+        """The engines' prefix caches, modelled: the cached-prefix term of the request key
+        (None: the items' own metadata)."""
 
     # ------------------------------------------------------------------ life cycle
 
@@ -189,6 +195,9 @@ class Dispatcher:
         for item_id, reason in routing.unroutable:
             logger.info("%s: %s parked (%s)", self.component, item_id, reason)
             self._parked.append(item_id)
+        if self.shadows is not None:
+            for worker, _ in routing.assignment:
+                self.shadows.rekey(self.router, worker, self._items)
         self._pump()
 
     def _pump(self) -> None:
@@ -200,7 +209,15 @@ class Dispatcher:
             running = self._inflight.setdefault(worker, set())
             for queued in self.router.priority_schedule(worker, self.max_inflight - len(running)):
                 running.add(queued.request_id)
+                if self.shadows is not None:
+                    self.shadows.dispatched(worker, self._items[queued.request_id])
                 self._spawn(self._send(worker, queued.request_id))
+
+    def _unroute(self, worker: int) -> list[QueuedRequest]:
+        """Stop routing to ``worker``: its queued requests, its cache shadow forgotten."""
+        if self.shadows is not None:
+            self.shadows.forget(worker)
+        return self.router.remove_worker(worker)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         assert self._group is not None
@@ -222,6 +239,10 @@ class Dispatcher:
         self._inflight.get(worker, set()).discard(item_id)
         self.router.done(worker, item_id)
         self._changed.set()
+        if self.shadows is not None:
+            self.shadows.ended(worker, pending, None if isinstance(result, Exception) else result)
+            if worker in self.router.workers:
+                self.shadows.rekey(self.router, worker, self._items)
         if isinstance(result, Exception):
             if accounting is not None:
                 accounting.abort(item_id, attempt, num_tokens=len(pending.generated))
@@ -257,7 +278,7 @@ class Dispatcher:
                 "%s: item %s failed on worker %d: %r", self.component, item_id, worker, exc
             )
         if isinstance(exc, PeerLostError) and worker in self.router.workers:
-            self._route([r.request_id for r in self.router.remove_worker(worker)])
+            self._route([r.request_id for r in self._unroute(worker)])
         if worker in self._draining:
             self._drained.setdefault(worker, []).append(item_id)
         elif pending.failures >= _MAX_FAILURES:
@@ -279,7 +300,7 @@ class Dispatcher:
         others (parked if none is left), its in-flight ones follow as their requests fail."""
         self._lost.add(device)
         if device in self.router.workers:
-            self._route([r.request_id for r in self.router.remove_worker(device)])
+            self._route([r.request_id for r in self._unroute(device)])
         self._changed.set()
 
     def _fail_item(self, item_id: str, why: str) -> None:
@@ -295,7 +316,7 @@ class Dispatcher:
         for worker in workers:
             self._draining.add(worker)
             if worker in self.router.workers:
-                moved.extend(r.request_id for r in self.router.remove_worker(worker))
+                moved.extend(r.request_id for r in self._unroute(worker))
         self._route(moved)
 
     async def abort_inflight(self, workers: Sequence[int]) -> Sequence[PartialRequest]:

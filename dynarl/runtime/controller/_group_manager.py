@@ -108,6 +108,8 @@ class GroupManager:
                 item_timeout_s=config.item_timeout_s,
                 drain_timeout_s=config.drain_timeout_s,
                 policy=spec.request_policy,
+                max_overtakes=spec.max_overtakes,
+                prefix_cache=spec.prefix_cache,
                 # A stand-in link (a test's) may have no losses to share.
                 losses=getattr(link, "losses", None),
             )

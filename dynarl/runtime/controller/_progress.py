@@ -68,6 +68,7 @@ class Progress:
             status=_int(meta.get("tool_calls")),
             cached_prefix=_int(meta.get("cached_prefix")),
             attained_service=float(_int(meta.get("attained_service"))),
+            tool_ok=meta.get("tool_ok", True) is not False,
         )
 
     @property
@@ -175,4 +176,5 @@ class Progress:
             cached_prefix=0,
             attained_service=float(_int(self.original.metadata.get("attained_service")))
             + len(self.generated),
+            tool_ok=routed.tool_ok,
         )
