@@ -9,8 +9,11 @@ rule set:
   on its CPU backend; SGLang's radix cache: 1), each identified by its tokens *and every
   token before it* (a hash chain, as vLLM hashes blocks), so two sequences share cached
   blocks exactly as far as their prefixes agree in whole blocks;
-* **what is cached**: the blocks of a sequence the engine computed (a finished turn's
-  prompt and output) — the most recently used first out of the eviction order;
+* **what is cached**: the blocks of a sequence the engine computed — a prompt's as soon as
+  it is sent (an engine caches a block once it is full, so a sibling sent meanwhile hits
+  it), a finished turn's prompt and output when it ends; within one sequence the *tail*
+  blocks are the first to go (vLLM frees a request's blocks in reverse order, so that a
+  prefix outlives its extensions), the most recently used sequences last;
 * **capacity**: ``capacity_blocks`` blocks in all, less the blocks the requests running on
   the engine hold (:meth:`hold` / :meth:`release`); when cached blocks exceed what is left,
   the least recently used go;
@@ -88,8 +91,9 @@ class PrefixShadow:
 
     def insert(self, tokens: Sequence[int]) -> None:
         """The engine computed ``tokens``: their whole blocks are cached, most recently
-        used; the least recently used go beyond :attr:`room`."""
-        for block_id in self._chain(tokens):
+        used (the first block last of all, so the tail goes first); the least recently used
+        go beyond :attr:`room`."""
+        for block_id in reversed(self._chain(tokens)):
             self._blocks[block_id] = None
             self._blocks.move_to_end(block_id)
         self._evict()

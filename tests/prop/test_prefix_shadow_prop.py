@@ -34,7 +34,8 @@ class ShadowMachine(RuleBasedStateMachine):
     @rule(tokens=TOKENS)
     def insert(self, tokens: list[int]) -> None:
         self.shadow.insert(tokens)
-        for end in range(self.size, len(tokens) + 1, self.size):
+        ends = range(self.size, len(tokens) + 1, self.size)
+        for end in reversed(ends):  # the tail first: the head is the most recently used
             self.blocks[tuple(tokens[:end])] = None
             self.blocks.move_to_end(tuple(tokens[:end]))
         self.evict()

@@ -4,8 +4,9 @@ request key (DynaRL's m_r), estimated, and checked against what the engines repo
 One :class:`~dynarl.sched.PrefixShadow` per worker (``ComponentSpec.prefix_cache``, a
 :class:`~dynarl.sched.PrefixCache`: block size and capacity, as the engine is configured).
 A queued generation request's ``cached_prefix`` is what the shadow of its worker says its
-prompt would find; whenever a request ends there, its blocks are released, its prompt and
-output become cached in the shadow, and every request waiting on that worker is re-keyed.
+prompt would find; a request sent there has its prompt cached in the shadow at once (its
+prefill computes it); whenever one ends, its blocks are released, its prompt and output
+become cached, and every request waiting on that worker is re-keyed.
 The prediction made when a request goes out is compared with the ``cached_tokens`` its
 engine reports (:class:`ShadowCheck`), so the model's error is measured, not assumed. Runs
 on the dispatcher's loop.
@@ -83,6 +84,7 @@ class CacheShadows:
         shadow = self._shadow(worker)
         self._predicted[progress.item_id] = shadow.cached(prompt)
         shadow.hold(progress.item_id, len(prompt) + request.max_new_tokens)
+        shadow.insert(prompt)  # its full blocks are cached once its prefill has run
 
     def ended(self, worker: int, progress: Progress, result: Sample | None) -> None:
         """A request on ``worker`` ended (``result``: its output; None: it failed): its
