@@ -78,3 +78,18 @@ def result_steps(run_dir: Path) -> list[dict[str, object]]:
     result = json.loads((run_dir / "result.json").read_text())
     assert result["num_devices"] == 2
     return list(result["steps"])
+
+
+def local_and_torchrun(
+    tmp: Path, example: str, job: str, args: list[str]
+) -> tuple[list[dict[str, object]], list[dict[str, object]], str]:
+    """Run ``examples/<example>`` on the local launcher (first: it fills the job's cache),
+    then ``job`` under two torchruns; both must exit 0. The local run's per-step records,
+    the torchrun run's, and the torchrun logs."""
+    local_log = tmp / "local.log"
+    local = start([sys.executable, str(EXAMPLES / example), *args,
+                   "--run-dir", str(tmp / "local")], local_log)  # fmt: skip
+    assert finish([local]) == [0], local_log.read_text(errors="replace")[-6000:]
+    codes, logs = two_nodes(tmp / "torchrun", job, args)
+    assert codes == [0, 0], logs[-6000:]
+    return result_steps(tmp / "local"), result_steps(tmp / "torchrun" / "job"), logs

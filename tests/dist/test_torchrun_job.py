@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from torchrun_support import EXAMPLES, finish, result_steps, start, two_nodes
+from torchrun_support import local_and_torchrun, two_nodes
 
 pytestmark = pytest.mark.dist
 
@@ -31,16 +31,10 @@ JOB_ARGS = ["--steps", "2", "--prompts", "3", "--group-size", "4", "--grow"]
 # tests/dist/test_examples_launch.py (examples/torchrun_two_node.sh)
 def test_a_job_file_under_torchrun_trains_as_on_the_local_launcher(tmp_path: Path) -> None:
     args = [*JOB_ARGS, "--cache", str(tmp_path / "cache")]
-    # (b) first: it makes the warm start the torchrun job then reads from the cache.
-    local_log = tmp_path / "local.log"
-    local = start([sys.executable, str(EXAMPLES / "torchrun_job.py"), *args,
-                   "--run-dir", str(tmp_path / "local")], local_log)  # fmt: skip
-    assert finish([local]) == [0], local_log.read_text(errors="replace")[-6000:]
-    codes, logs = two_nodes(tmp_path / "torchrun", "torchrun_job:job", args)
-    assert codes == [0, 0], logs[-6000:]
+    local_steps, launched, logs = local_and_torchrun(
+        tmp_path, "torchrun_job.py", "torchrun_job:job", args
+    )
     assert "rank 1: the job ended" in logs and "rank 0: the job ended" in logs
-    local_steps = result_steps(tmp_path / "local")
-    launched = result_steps(tmp_path / "torchrun" / "job")
     assert len(launched) == 2
     for here, there in zip(local_steps, launched, strict=True):
         assert here["manifest"] == there["manifest"]

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from torchrun_support import EXAMPLES, finish, result_steps, start, two_nodes
+from torchrun_support import local_and_torchrun
 
 pytestmark = [pytest.mark.engines, pytest.mark.slow]  # ~3 min on two cores: two vLLM starts
 
@@ -32,17 +32,7 @@ def test_the_vllm_job_file_under_torchrun_agrees_with_the_local_launcher(
     if engine_python != sys.executable:
         pytest.skip("the job's workers launch vLLM with their own interpreter")
     args = [*ARGS, "--cache", str(tmp_path / "cache")]
-    # The local run first: it writes the checkpoint the torchrun job then reads from the cache.
-    local_log = tmp_path / "local.log"
-    local = start([sys.executable, str(EXAMPLES / "vllm_job.py"), *args,
-                   "--run-dir", str(tmp_path / "local")], local_log)  # fmt: skip
-    assert finish([local]) == [0], local_log.read_text(errors="replace")[-6000:]
-    codes, logs = two_nodes(tmp_path / "torchrun", "vllm_job:job", args)
-    assert codes == [0, 0], logs[-6000:]
-    local_steps, launched = (
-        result_steps(tmp_path / "local"),
-        result_steps(tmp_path / "torchrun" / "job"),
-    )
+    local_steps, launched, _ = local_and_torchrun(tmp_path, "vllm_job.py", "vllm_job:job", args)
     assert len(launched) == 2
     for here, there in zip(local_steps, launched, strict=True):
         assert here["manifest"] == there["manifest"]

@@ -44,15 +44,16 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from dynarl.backends._grpo import StepStats, TrainSample, pad_samples, per_target
-from dynarl.backends.megatron._gpt_model import (
-    causal_inputs,
-    describe,
-    import_megatron,
-    token_logprobs,
-)
+from dynarl.backends._grpo import StepStats, TrainSample, pad_samples
+from dynarl.backends.megatron._gpt_model import causal_inputs, describe, import_megatron
 from dynarl.backends.megatron._instance import LayoutInstance, build_instance
-from dynarl.backends.megatron._micro_batches import LossFn, grpo_loss, run_micro_batches, sft_loss
+from dynarl.backends.megatron._micro_batches import (
+    LossFn,
+    grpo_loss,
+    logprob_gap,
+    run_micro_batches,
+    sft_loss,
+)
 from dynarl.backends.megatron._train_config import GPTModelConfig, MegatronTrainConfig
 from dynarl.errors import BackendError
 from dynarl.migrate import (
@@ -341,26 +342,12 @@ class MegatronTrainer:
         return row
 
     def logprob_gap(self, samples: Sequence[TrainSample]) -> float:
-        """The largest ``|log p - old|`` over the policy tokens of ``samples`` (each with
-        ``old_logprobs``: what the rollout engine reported), ``log p`` teacher-forced under
-        the weights in force at the sampling temperature — how far the engine's numbers are
-        from the trainer's. Collective over the tensor-parallel group only; no gradient.
-        Raises ValueError on a sample without ``old_logprobs`` or a pipeline-parallel
-        layout."""
+        """How far the engine's log-probs of ``samples`` (``old_logprobs``) are from this
+        trainer's (:func:`logprob_gap`); ValueError on a pipeline-parallel layout too."""
         state = self._require()
-        assert state.layout.spec is not None
-        if state.layout.spec.pp > 1:
+        if state.layout.spec is None or state.layout.spec.pp > 1:
             raise ValueError("logprob_gap runs on pp=1 layouts only")
-        if not samples or any(s.old_logprobs is None for s in samples):
-            raise ValueError("logprob_gap needs samples with old_logprobs")
-        tokens, mask = pad_samples(samples)
-        tokens, mask = tokens.to(self.device), mask.to(self.device)
-        with torch.no_grad():
-            logits = state.ddp(tokens, *causal_inputs(tokens))
-            logp = token_logprobs(logits, tokens, self.config.temperature)
-        old = per_target(samples, "old_logprobs", torch.zeros_like(logp))
-        gap = (logp - old).abs() * mask
-        return float(gap.max()) if gap.numel() else 0.0
+        return logprob_gap(state.ddp, samples, self.config.temperature, self.device)
 
     def apply_gradient(self, total: torch.Tensor, *, num_samples: int) -> StepStats:
         """One optimizer step with ``total``, the sum of a step's rows (the same on every

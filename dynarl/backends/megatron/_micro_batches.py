@@ -26,7 +26,7 @@ from dynarl.backends.megatron._gpt_model import causal_inputs, token_logprobs
 from dynarl.backends.megatron._train_config import MegatronTrainConfig
 from dynarl.migrate import LayoutGroups, LayoutSpec
 
-__all__ = ["LossFn", "grpo_loss", "run_micro_batches", "sft_loss"]
+__all__ = ["LossFn", "grpo_loss", "logprob_gap", "run_micro_batches", "sft_loss"]
 
 LossFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, Sequence[TrainSample], float],
@@ -69,6 +69,30 @@ def sft_loss(
     loss = -(token_logprobs(logits, tokens, 1.0) * mask).sum() / normalizer
     zero = torch.zeros((), device=loss.device)
     return loss, torch.stack([loss.detach(), zero, zero])
+
+
+def logprob_gap(
+    module: torch.nn.Module,
+    samples: Sequence[TrainSample],
+    temperature: float,
+    device: torch.device,
+) -> float:
+    """The largest ``|log p - old|`` over the policy tokens of ``samples`` (each with
+    ``old_logprobs``: what the rollout engine reported), ``log p`` teacher-forced by
+    ``module`` (a whole model: one pipeline stage) at the sampling ``temperature`` — how far
+    the engine's numbers are from the trainer's. Collective over the installed
+    tensor-parallel group only; no gradient. Raises ValueError on a sample without
+    ``old_logprobs``."""
+    if not samples or any(s.old_logprobs is None for s in samples):
+        raise ValueError("logprob_gap needs samples with old_logprobs")
+    tokens, mask = pad_samples(samples)
+    tokens, mask = tokens.to(device), mask.to(device)
+    with torch.no_grad():
+        logits = module(tokens, *causal_inputs(tokens))
+        logp = token_logprobs(logits, tokens, temperature)
+    old = per_target(samples, "old_logprobs", torch.zeros_like(logp))
+    gap = (logp - old).abs() * mask
+    return float(gap.max()) if gap.numel() else 0.0
 
 
 def run_micro_batches(
