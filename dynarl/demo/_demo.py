@@ -223,7 +223,7 @@ def main(args: argparse.Namespace) -> int:
 
         return hybrid_main(args)
     if args.engine == "vllm":
-        from dynarl.demo._engine_demo import main as engine_main
+        from dynarl.demo._engine_cli import main as engine_main
 
         return engine_main(args)
     logging.basicConfig(

@@ -103,7 +103,7 @@ def test_demo_help_shows_groups_defaults_choices_and_how_long_it_takes(
 
 def test_the_demo_help_states_the_defaults_the_demo_uses() -> None:
     from dynarl.demo._demo import config_from_args
-    from dynarl.demo._engine_demo import config_from
+    from dynarl.demo._engine_cli import config_from
     from dynarl.demo._hybrid_demo import job_configs
 
     parser = commands()["demo"]

@@ -17,12 +17,8 @@ from dynarl.backends.serving import request_seed
 from dynarl.bus import Sample, pack_floats, pack_tokens
 from dynarl.cli import main
 from dynarl.demo._device_schedules import RunPlan, Schedule
-from dynarl.demo._engine_demo import (
-    EngineComparison,
-    EngineDemoConfig,
-    compare_repetitions,
-    format_engine_summary,
-)
+from dynarl.demo._engine_cli import format_engine_summary
+from dynarl.demo._engine_demo import EngineComparison, EngineDemoConfig, compare_repetitions
 from dynarl.demo._experiment import ExperimentConfig, RunResult
 from dynarl.runtime import VERSIONS, encode_versions, stale_tokens
 
