@@ -93,3 +93,14 @@ def local_and_torchrun(
     codes, logs = two_nodes(tmp / "torchrun", job, args)
     assert codes == [0, 0], logs[-6000:]
     return result_steps(tmp / "local"), result_steps(tmp / "torchrun" / "job"), logs
+
+
+def committed_reshards(job_dir: Path) -> list[tuple[list[int], list[int]]]:
+    """(source devices, destination devices) of every committed P2P reshard in the job's
+    ledger (``events.jsonl``), in order."""
+    records = [json.loads(line) for line in (job_dir / "events.jsonl").read_text().splitlines()]
+    return [
+        (r["src_devices"], r["dst_devices"])
+        for r in records
+        if r["type"] == "MigrationRecord" and r["kind"] == "p2p" and r["outcome"] == "committed"
+    ]

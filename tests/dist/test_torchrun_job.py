@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from torchrun_support import local_and_torchrun, two_nodes
+from torchrun_support import committed_reshards, local_and_torchrun, two_nodes
 
 pytestmark = pytest.mark.dist
 
@@ -48,14 +48,7 @@ def test_a_job_file_under_torchrun_trains_as_on_the_local_launcher(tmp_path: Pat
     # its ledger holds the trainer's reshards between the ranks, grow and shrink each step.
     job_dir = tmp_path / "torchrun" / "job"
     assert not (job_dir / "workers").exists()
-    reshards = [
-        (record["src_devices"], record["dst_devices"])
-        for line in (job_dir / "events.jsonl").read_text().splitlines()
-        for record in [json.loads(line)]
-        if record["type"] == "MigrationRecord" and record["kind"] == "p2p"
-        and record["outcome"] == "committed"
-    ]  # fmt: skip
-    assert reshards == [([1], [0, 1]), ([0, 1], [1])] * 2
+    assert committed_reshards(job_dir) == [([1], [0, 1]), ([0, 1], [1])] * 2
 
 
 def test_a_failing_driver_ends_every_rank_with_the_error_named(tmp_path: Path) -> None:

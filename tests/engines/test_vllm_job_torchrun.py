@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from torchrun_support import local_and_torchrun
+from torchrun_support import committed_reshards, local_and_torchrun
 
 pytestmark = [pytest.mark.engines, pytest.mark.slow]  # ~3 min on two cores: two vLLM starts
 
@@ -44,11 +44,4 @@ def test_the_vllm_job_file_under_torchrun_agrees_with_the_local_launcher(
     for run in (local_steps, launched):
         assert run[0]["checksum"] != run[1]["checksum"]
     job_dir = tmp_path / "torchrun" / "job"
-    reshards = [
-        (record["src_devices"], record["dst_devices"])
-        for line in (job_dir / "events.jsonl").read_text().splitlines()
-        for record in [json.loads(line)]
-        if record["type"] == "MigrationRecord" and record["kind"] == "p2p"
-        and record["outcome"] == "committed"
-    ]  # fmt: skip
-    assert reshards == [([1], [0, 1]), ([0, 1], [1])] * 2
+    assert committed_reshards(job_dir) == [([1], [0, 1]), ([0, 1], [1])] * 2
