@@ -13,7 +13,6 @@ every step; and the ledger holds the reshards across the nodes.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
