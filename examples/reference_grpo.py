@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from dynarl.backends.reference import GRPOConfig, TrainConfig
+from dynarl.backends.reference import GRPOConfig, default_train
 from dynarl.demo import SmokeConfig, run_grpo
 
 
@@ -20,7 +20,7 @@ def main() -> None:
         config = SmokeConfig(
             task=task,
             sft_steps=100,
-            train=TrainConfig(lr=1e-4, grpo=GRPOConfig(kl_coef=0.01)),
+            train=default_train(lr=1e-4, grpo=GRPOConfig(kl_coef=0.01)),
         )
     else:
         config = SmokeConfig(task=task)

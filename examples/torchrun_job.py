@@ -45,7 +45,6 @@ from dynarl.backends.reference import (
     ReferenceRollout,
     ReferenceSetup,
     ReferenceTrainer,
-    TrainConfig,
     save_weights_file,
     warm_start,
 )
@@ -100,7 +99,6 @@ def prepared(options: Options) -> ReferenceSetup:
     setup = ReferenceSetup(
         model=GPTConfig(),
         engine=EngineConfig(deterministic=True),
-        train=TrainConfig(deterministic=True),
         group_size=options.group_size,
     )
     key = hashlib.sha256(f"{setup!r} {options.warm_start_steps}".encode()).hexdigest()[:16]

@@ -31,7 +31,7 @@ from dynarl.backends.reference import (
     GPTConfig,
     ReferenceSetup,
     ToolLatency,
-    TrainConfig,
+    default_train,
     save_weights_file,
     warm_start,
 )
@@ -107,7 +107,8 @@ class ExperimentConfig:
     sft_steps: int = 200
     """Supervised warm-start steps before RL."""
     deterministic: bool = True
-    """Batch-invariant decoding and fixed-order gradient sums (bitwise-comparable runs)."""
+    """Batch-invariant decoding (bitwise-comparable runs; the trainer always sums its
+    gradient rows in micro-batch order)."""
     util_low: float = 0.02
     """U_low of the scheduler for this job (KV utilization under which an engine idles):
     0.02 of the 4096-token KV capacity is about two running episodes; in the bulk of a
@@ -152,9 +153,7 @@ class ExperimentConfig:
         )
         return ReferenceSetup(
             model=model,
-            train=TrainConfig(
-                lr=self.lr, deterministic=self.deterministic, grpo=GRPOConfig(kl_coef=self.kl_coef)
-            ),
+            train=default_train(lr=self.lr, grpo=GRPOConfig(kl_coef=self.kl_coef)),
             engine=EngineConfig(deterministic=self.deterministic),
             task=self.task,
             max_products=self.max_products,

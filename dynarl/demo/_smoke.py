@@ -1,6 +1,7 @@
 """A whole GRPO job in one process: the path the runtime later spreads across processes.
 
-:func:`run_grpo` builds the trainer, a rollout engine, a log-prob worker (the reference
+:func:`run_grpo` builds the trainer (Megatron's, the reference architecture as a GPTModel),
+a rollout engine, a log-prob worker (the reference
 policy, for the KL term) and a tool worker, warms the policy up with a few supervised
 steps on the task's reference responses (RL post-training starts from an SFT model; from
 random weights no response earns a reward and every advantage is zero), then for each
@@ -23,8 +24,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 
 from dynarl.backends import GRPOConfig, TrainSample, group_advantages
+from dynarl.backends.megatron import MegatronTrainConfig, MegatronTrainer
 from dynarl.backends.reference import (
     ChainSumTask,
     CharTokenizer,
@@ -38,9 +41,10 @@ from dynarl.backends.reference import (
     ToolCalcTask,
     ToolLatency,
     ToolWorker,
-    TrainConfig,
-    Trainer,
     collect_rollouts,
+    default_train,
+    from_megatron,
+    megatron_model,
     sft_samples,
     solo_process_group,
 )
@@ -77,8 +81,8 @@ class SmokeConfig:
     """Batch-invariant decoding and DP-invariant gradient sums."""
     model: GPTConfig = field(default_factory=GPTConfig)
     """Architecture."""
-    train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.01))
+    train: MegatronTrainConfig = field(
+        default_factory=lambda: default_train(grpo=GRPOConfig(kl_coef=0.01))
     )
     """Optimizer and loss."""
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -176,7 +180,11 @@ def run_grpo(config: SmokeConfig) -> SmokeResult:
     Raises ValueError if torch.distributed is already initialized here.
     """
     with _threads(config.deterministic), solo_process_group() as group:
-        return _Job(config, group).run()
+        job = _Job(config, group)
+        try:
+            return job.run()
+        finally:
+            job.trainer.close()
 
 
 class _Job:
@@ -189,7 +197,13 @@ class _Job:
         # Warm-up problems come from another seed: never the RL training set itself.
         self.sft_task = make_task(config.task, seed=config.seed + 1)
         train = config.train
-        self.trainer = Trainer(config.model, train, tp_group=group, dp_group=group)
+        self.trainer = MegatronTrainer(
+            megatron_model(config.model),
+            train,
+            rank=0,
+            store=dist.HashStore(),  # type: ignore[attr-defined]
+        )
+        self.trainer.start(self.trainer.layout_spec((0,)), epoch=0)
         engine_config = config.engine
         if engine_config.deterministic != config.deterministic:
             engine_config = replace(engine_config, deterministic=config.deterministic)
@@ -210,7 +224,7 @@ class _Job:
             for i in range(cfg.sft_steps)
         )
         self.trainer.set_lr(cfg.train.lr)
-        weights = self.trainer.model.full_state_dict()
+        weights = self._weights()
         self.reference.load_weights(weights, self.trainer.version)
         self.policy.load_weights(weights, self.trainer.version)
         self.engine.load_weights(weights, self.trainer.version)
@@ -245,7 +259,7 @@ class _Job:
         ]
         stats = all_stats[-1]
         t3 = time.perf_counter()
-        weights = self.trainer.model.full_state_dict()
+        weights = self._weights()
         self.engine.load_weights(weights, self.trainer.version)
         self.policy.load_weights(weights, self.trainer.version)
         t4 = time.perf_counter()
@@ -269,6 +283,10 @@ class _Job:
             train_s=t3 - t2,
             sync_s=t4 - t3,
         )
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """The trainer's parameters under the reference names (engine and scorers)."""
+        return from_megatron(self.trainer.gather(0), self.config.model)
 
     def _batch(
         self,

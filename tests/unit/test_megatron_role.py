@@ -60,8 +60,10 @@ def test_setup_travels_as_an_option_and_refuses_what_it_cannot_run(tmp_path: Pat
     assert MegatronSetup.from_options(setup.to_options()) == setup
     with pytest.raises(ValueError, match="lack"):
         MegatronSetup.from_options({})
-    with pytest.raises(ValueError, match="reference policy"):
-        MegatronSetup(model=MODEL, train=dataclasses.replace(CPU, grpo=GRPOConfig(kl_coef=0.1)))
+    with_kl = MegatronSetup(
+        model=MODEL, train=dataclasses.replace(CPU, grpo=GRPOConfig(kl_coef=0.1))
+    )
+    assert MegatronSetup.from_options(with_kl.to_options()) == with_kl
     with pytest.raises(ValueError, match="tp >= 1"):
         MegatronSetup(model=MODEL, tp=0)
     with pytest.raises(ValueError, match="do not split"):

@@ -13,18 +13,19 @@ from dynarl.backends.reference import (
     CharTokenizer,
     EngineConfig,
     GPTConfig,
+    ReferenceSetup,
     RolloutConfig,
     RolloutEngine,
     ToolCalcTask,
     ToolLatency,
     ToolWorker,
-    TrainConfig,
-    Trainer,
     collect_rollouts,
-    sft_samples,
-    solo_process_group,
+    warm_start,
 )
 from dynarl.demo._smoke import SmokeConfig, run_grpo
+
+# Megatron on gloo leaves a listening socket in native code (see tests/conftest.py).
+pytestmark = pytest.mark.gloo_listener_outlives_test
 
 
 @pytest.fixture(autouse=True)
@@ -72,12 +73,10 @@ def test_multi_turn_episodes_call_the_calculator() -> None:
 def test_rollout_masks_tool_results_and_records_provenance(latency: float) -> None:
     model = GPTConfig(max_seq_len=160)
     task, tokenizer = ToolCalcTask(seed=1), CharTokenizer()
-    with solo_process_group() as group:
-        # A short supervised warm-up, so that the policy writes tool calls at all.
-        trainer = Trainer(model, TrainConfig(lr=2e-3), tp_group=group, dp_group=group)
-        for step in range(30):
-            trainer.sft_step(sft_samples(task, tokenizer, step=100 + step, batch_size=16))
-        weights = trainer.model.full_state_dict()
+    # A short supervised warm-up (the job's Megatron trainer), so that the policy writes
+    # tool calls at all.
+    setup = ReferenceSetup(model=model, task="tool_calc", engine=EngineConfig(max_seq_len=160))
+    weights = warm_start(setup, num_steps=30, batch_size=16, lr=2e-3)
     engine = RolloutEngine(model, EngineConfig(max_seq_len=160))
     engine.load_weights(weights, version=3)
     problems = task.problems(step=0, num_problems=2)

@@ -14,7 +14,7 @@ from dynarl.backends.reference._staleness import (
     token_versions,
 )
 from dynarl.bus._messages import Sample, pack_tokens
-from dynarl.runtime._worker_protocol import RESUMED, VERSIONS, encode_versions
+from dynarl.runtime._worker_protocol import RESUMED, VERSIONS, decode_versions, encode_versions
 
 
 def sample(sid: str, versions: list[int], *, resumed: int = 0) -> Sample:
@@ -88,3 +88,12 @@ def test_reserve_pauses_the_rollout_at_the_bound_until_a_take() -> None:
 def test_queue_refuses_bad_bounds() -> None:
     with pytest.raises(ValueError, match="capacity_samples"):
         MessageQueue(capacity_samples=0, max_staleness=0, regenerate=lambda g: None)
+
+
+def test_token_versions_round_trip() -> None:
+    versions = [3, 3, 4, 4, 4, 7]
+    assert encode_versions(versions) == "3*2,4*3,7*1"
+    assert decode_versions(encode_versions(versions)) == versions
+    assert decode_versions("") == []
+    with pytest.raises(ValueError):
+        decode_versions("3-2")

@@ -6,7 +6,8 @@ and loaded from / exported to Hugging Face checkpoint directories.
   architecture in :class:`GPTModelConfig`, training settings in :class:`MegatronTrainConfig`;
 - :class:`MegatronTrainerRole` — the trainer as a runtime component (``name="trainer"``):
   streamed GRPO steps, checksums, grown and shrunk by P2P reshards; its options a
-  :class:`MegatronSetup` (model, settings, initial weights, parallel sizes);
+  :class:`MegatronSetup` (model, settings, initial weights, parallel sizes); with a KL
+  term it scores micro-batches under the frozen initial weights (:class:`ReferencePolicy`);
 - :func:`sync_weights` — gather to one rank, Megatron → HF names and layouts, bucketed
   broadcast to SGLang engines, ``/weights_checker`` verification (:mod:`.sync`);
   :func:`sync_weights_vllm` the same into vLLM engines through a
@@ -33,6 +34,7 @@ from dynarl.backends.megatron._hf_checkpoint import (
     write_hf_tensors,
 )
 from dynarl.backends.megatron._megatron_trainer import MegatronTrainer
+from dynarl.backends.megatron._reference_policy import ReferencePolicy
 from dynarl.backends.megatron._role import MegatronTrainerRole, engine_targets
 from dynarl.backends.megatron._setup import MegatronSetup
 from dynarl.backends.megatron._sync import (
@@ -56,6 +58,7 @@ __all__ = [
     "MegatronTrainConfig",
     "MegatronTrainer",
     "MegatronTrainerRole",
+    "ReferencePolicy",
     "SyncReport",
     "check_hf_compatible",
     "describe",

@@ -155,7 +155,7 @@ def build_gpt(
             transformer_layer_spec=get_gpt_layer_local_spec(normalization=model.normalization),
             vocab_size=model.vocab_size,
             max_sequence_length=model.max_sequence_length,
-            position_embedding_type="rope",
+            position_embedding_type=model.position_embedding,
             rotary_base=int(model.rotary_base),
             share_embeddings_and_output_weights=model.tie_embeddings,
             pre_process=pp_rank == 0,

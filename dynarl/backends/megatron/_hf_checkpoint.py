@@ -100,12 +100,17 @@ def _architecture(model: GPTModelConfig) -> tuple[Any, ...]:
         model.add_qkv_bias,
         model.tie_embeddings,
         model.rotary_base,
+        model.position_embedding,
     )
 
 
 def hf_config(model: GPTModelConfig, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``config.json`` for ``model``: ``base`` (the loaded checkpoint's config) with the
-    model's fields written over it; a Llama config when ``base`` is None."""
+    model's fields written over it; a Llama config when ``base`` is None. Raises ValueError
+    for a model with no HF Llama/Qwen2 equivalent."""
+    mismatches = model.hf_mismatches()
+    if mismatches:
+        raise ValueError(f"the model has no HF Llama/Qwen2 config: {', '.join(mismatches)}")
     kind = (base or {}).get("model_type", "qwen2" if model.add_qkv_bias else "llama")
     out: dict[str, Any] = dict(base or {})
     out.update(

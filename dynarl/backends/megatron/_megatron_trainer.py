@@ -148,6 +148,11 @@ class MegatronTrainer:
         return self._current.layout if self._current is not None else None
 
     @property
+    def groups(self) -> LayoutGroups | None:
+        """The current layout's process groups (None outside it)."""
+        return self._current.groups if self._current is not None else None
+
+    @property
     def module(self) -> torch.nn.Module | None:
         """This rank's GPTModel stage (None outside the current layout)."""
         return self._current.module if self._current is not None else None
@@ -438,16 +443,8 @@ class MegatronTrainer:
             sha = hashlib.sha256(str(self.version).encode())
             for name in sorted(full):
                 sha.update(name.encode())
-                sha.update(
-                    full[name]
-                    .detach()
-                    .cpu()
-                    .contiguous()
-                    .reshape(-1)
-                    .view(torch.uint8)
-                    .numpy()
-                    .tobytes()
-                )
+                flat = full[name].detach().cpu().contiguous().reshape(-1)
+                sha.update(flat.view(torch.uint8).numpy().tobytes())
             digest.copy_(torch.frombuffer(bytearray(sha.digest()), dtype=torch.uint8))
         group = state.whole_group(self.rank)
         dist.broadcast(digest, group=group.pg, group_src=group.group_rank(root))

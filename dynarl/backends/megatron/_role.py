@@ -25,7 +25,13 @@ in place with its state (the runtime's in-place reboot) and wakes on the same de
 ``push_weights(engines=..., version=N)`` pushes the current weights to the rollout's
 engines (vLLM through dynarl's worker extension, SGLang by its update-from-distributed
 sequence; the engines' addresses from the serving role's ``engine_address`` call, turned
-into the option by :func:`engine_targets`). KL to a reference policy is not offered here.
+into the option by :func:`engine_targets`).
+
+With ``grpo.kl_coef > 0`` the role scores every micro-batch under the frozen initial policy
+(:class:`~dynarl.backends.megatron.ReferencePolicy`, on the devices it holds) before its
+gradient row. A job that configures the trainer otherwise — the reference job, whose
+weights and options are its own — subclasses the role and overrides :meth:`setup_of` and
+:meth:`initial_state`.
 """
 
 from __future__ import annotations
@@ -40,12 +46,14 @@ import torch
 import torch.distributed as dist
 
 from dynarl.backends._compute_meter import ComputeMeter
+from dynarl.backends._grpo import TrainSample
 from dynarl.backends.megatron._grad_rows import GradientRows
-from dynarl.backends.megatron._hf_checkpoint import load_hf_checkpoint
+from dynarl.backends.megatron._hf_checkpoint import load_hf_checkpoint, read_hf_tensors
 from dynarl.backends.megatron._megatron_trainer import MegatronTrainer
+from dynarl.backends.megatron._reference_policy import ReferencePolicy
 from dynarl.backends.megatron._samples import micro_batches, train_sample
 from dynarl.backends.megatron._setup import MegatronSetup
-from dynarl.backends.megatron._sync import EngineTarget, push_to_engines
+from dynarl.backends.megatron._sync import EngineTarget, from_hf, push_to_engines
 from dynarl.bus import MetaValue, Sample, WorkerGroup
 from dynarl.errors import BackendError
 from dynarl.migrate import Layout, LayoutGroups, Shard
@@ -64,10 +72,23 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
 
     def __init__(self, ctx: RoleContext) -> None:
         self.ctx = ctx
-        self.setup = MegatronSetup.from_options(ctx.options)
+        self.setup = self.setup_of(ctx.options)
         self._trainer: MegatronTrainer | None = None
+        self._policy: ReferencePolicy | None = None
         self._rows = GradientRows()
         self._meter = ComputeMeter()
+
+    @classmethod
+    def setup_of(cls, options: Mapping[str, MetaValue]) -> MegatronSetup:
+        """The trainer's setup in the component's options (a :class:`MegatronSetup`)."""
+        return MegatronSetup.from_options(options)
+
+    def initial_state(self) -> Mapping[str, torch.Tensor] | None:
+        """The full initial weights under GPTModel's names: the HF checkpoint at
+        ``hf_path``, or None for Megatron's draw from ``init_seed``."""
+        if not self.setup.hf_path:
+            return None
+        return from_hf(read_hf_tensors(self.setup.hf_path), self.setup.model)
 
     # ------------------------------------------------------------------ layouts
 
@@ -76,7 +97,7 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
         """The state's layout over ``devices`` (the controller's cost model uses it, on its
         event loop: the first call for a model describes it, importing Megatron; a driver
         calls ``MegatronSetup.param_specs()`` before the job to do that beforehand)."""
-        return MegatronSetup.from_options(options).layout(devices)
+        return cls.setup_of(options).layout(devices)
 
     def layout(self, devices: tuple[int, ...]) -> Layout:
         """The state's layout over ``devices``."""
@@ -109,12 +130,15 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
         trainer.start(self.setup.layout_spec(self.ctx.devices), epoch=self.ctx.epoch)
         if self.setup.hf_path:
             load_hf_checkpoint(trainer, self.setup.hf_path)
+        elif (initial := self.initial_state()) is not None:
+            trainer.load_full(initial)
         logger.info("megatron trainer rank %d: started on %s", self.ctx.device, self.ctx.devices)
 
     async def close(self) -> None:
         """Free the state and its groups (teardown)."""
         trainer, self._trainer = self._trainer, None
         self._rows.clear()
+        self._drop_policy()
         if trainer is not None:
             await self.ctx.compute(trainer.close)
 
@@ -143,6 +167,7 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
         """Switch to the allocated state (its version from the step counters); free the old."""
         if self._trainer is not None:
             self._trainer.commit(layout)
+        self._drop_policy()  # rebuilt on the new layout when next needed
         if self.ctx.device not in layout.ranks:
             self._rows.clear()
 
@@ -163,6 +188,24 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
         if self._trainer is None or self._trainer.layout is None:
             raise BackendError(f"trainer rank {self.ctx.device} holds no state")
         return self._trainer
+
+    def _train_samples(self, samples: Sequence[Sample], old: str) -> list[TrainSample]:
+        """``samples`` as TrainSamples, scored by the reference policy when the loss has a
+        KL term (the policy built on the current layout on first use)."""
+        batch = [train_sample(sample, old=old) for sample in samples]
+        if self.setup.train.grpo.kl_coef <= 0:
+            return batch
+        trainer = self._current()
+        assert trainer.layout is not None
+        if self._policy is None or self._policy.layout_name != trainer.layout.name:
+            self._drop_policy()
+            self._policy = ReferencePolicy(trainer, self.initial_state())
+        return self._policy.score(batch)
+
+    def _drop_policy(self) -> None:
+        policy, self._policy = self._policy, None
+        if policy is not None:
+            policy.close()
 
     def learn(
         self,
@@ -192,7 +235,7 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
         gap = 0.0
         try:
             for index in mine:
-                batch = [train_sample(sample, old=old) for sample in micros[index]]
+                batch = self._train_samples(micros[index], old)
                 if logprob_gap:
                     rollout = [train_sample(sample, old="rollout") for sample in micros[index]]
                     gap = max(gap, trainer.logprob_gap(rollout))
@@ -253,7 +296,7 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
             raise ValueError("a streamed step is in progress (rows held): call step first")
         began = self._meter.begin(1)
         try:
-            stats = trainer.train_step([train_sample(s, old=old) for s in samples])
+            stats = trainer.train_step(self._train_samples(samples, old))
         finally:
             self._meter.account(began, 1)
         return {

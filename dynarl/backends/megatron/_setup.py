@@ -36,8 +36,8 @@ class MegatronSetup:
     model: GPTModelConfig
     """Architecture."""
     train: MegatronTrainConfig = field(default_factory=MegatronTrainConfig)
-    """Optimizer, batching and loss settings (``grpo.kl_coef`` must be 0: the role holds no
-    reference policy)."""
+    """Optimizer, batching and loss settings (with ``grpo.kl_coef > 0`` the role scores
+    every micro-batch under the frozen initial weights: :class:`ReferencePolicy`)."""
     hf_path: str = ""
     """Initial weights: a local Hugging Face checkpoint directory of ``model``; "" draws
     them from ``model.init_seed`` (the same for every layout)."""
@@ -55,8 +55,6 @@ class MegatronSetup:
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1 or self.num_threads < 0:
             raise ValueError("MegatronSetup needs tp >= 1, pp >= 1 and num_threads >= 0")
-        if self.train.grpo.kl_coef > 0:
-            raise ValueError("MegatronSetup: kl_coef > 0 needs a reference policy, which it lacks")
 
     @classmethod
     def from_hf(cls, path: str | Path, **fields: Any) -> MegatronSetup:

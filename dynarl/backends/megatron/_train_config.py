@@ -57,8 +57,11 @@ class GPTModelConfig:
     """Biases on the query/key/value projection only (Qwen2)."""
     tie_embeddings: bool = False
     """Output layer shares the input embedding (``tie_word_embeddings``); pp = 1 only."""
+    position_embedding: Literal["rope", "learned_absolute"] = "rope"
+    """Rotary positions (Llama, Qwen), or a learned table of ``max_sequence_length`` rows
+    added to the token embedding (GPT-2 style; no HF Llama equivalent)."""
     rotary_base: float = 10000.0
-    """Rotary base (``rope_theta``)."""
+    """Rotary base (``rope_theta``; unused with learned positions)."""
     params_dtype: str = "float32"
     """Parameter dtype, one of :data:`DTYPES` (CPU trainers: float32 only)."""
     init_method_std: float = 0.02
@@ -87,6 +90,25 @@ class GPTModelConfig:
             raise ValueError(f"params_dtype must be one of {DTYPES}, got {self.params_dtype!r}")
         if self.rotary_base <= 0:
             raise ValueError(f"rotary_base must be > 0, got {self.rotary_base}")
+        if self.position_embedding not in ("rope", "learned_absolute"):
+            raise ValueError(
+                "position_embedding must be 'rope' or 'learned_absolute', "
+                f"got {self.position_embedding!r}"
+            )
+
+    def hf_mismatches(self) -> list[str]:
+        """The fields that keep this model from mapping onto an HF Llama/Qwen2 (empty: it
+        maps): learned positions, LayerNorm, a GELU MLP, biases beyond the QKV ones."""
+        out = []
+        if self.position_embedding != "rope":
+            out.append(f"position_embedding={self.position_embedding!r}")
+        if self.normalization != "RMSNorm":
+            out.append(f"normalization={self.normalization!r}")
+        if not self.gated_mlp:
+            out.append("gated_mlp=False")
+        if self.add_bias_linear:
+            out.append("add_bias_linear=True")
+        return out
 
     @property
     def query_groups(self) -> int:
@@ -109,8 +131,12 @@ class GPTModelConfig:
 
         Tensors gathered along the layout's coordinates hold a gated ``linear_fc1`` as
         ``[gate; up]`` whatever the TP size (Megatron splits it with stride 2), hence
-        ``fc1_tp_size=1``.
+        ``fc1_tp_size=1``. Raises ValueError for a model with no HF Llama/Qwen2 equivalent
+        (:meth:`hf_mismatches`).
         """
+        mismatches = self.hf_mismatches()
+        if mismatches:
+            raise ValueError(f"the model has no HF Llama/Qwen2 layout: {', '.join(mismatches)}")
         return GPTLayout(
             num_attention_heads=self.num_attention_heads,
             num_query_groups=self.query_groups,

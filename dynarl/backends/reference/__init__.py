@@ -8,8 +8,10 @@
   deterministic mode), driven episode by episode by :func:`collect_rollouts`;
 * inference and tools: :class:`LogProbWorker`, :class:`ToolWorker` (a calculator behind
   a :class:`ToolLatency`);
-* training: :class:`Trainer` (:class:`TrainConfig`; TP × DP, ``torch.optim.Adam``,
-  DP-size-invariant deterministic mode) on GRPO's math from :mod:`dynarl.backends`;
+* training: the production trainer, :class:`dynarl.backends.megatron.MegatronTrainer`,
+  with the reference architecture as a Megatron GPTModel (:func:`megatron_model`; the
+  names map both ways with :func:`to_megatron` / :func:`from_megatron`; settings in a
+  :class:`~dynarl.backends.megatron.MegatronTrainConfig`, :func:`default_train`);
 * tasks: :class:`ChainSumTask` (heavy-tailed single turn), :class:`ToolCalcTask`
   (multi-turn with the calculator), :class:`CharTokenizer`, :func:`sft_samples`;
 * runtime roles: :class:`ReferenceRollout`, :class:`ReferenceInference`,
@@ -33,15 +35,20 @@ from dynarl.backends.reference._gpt import GPTConfig, ParallelGPT, solo_process_
 from dynarl.backends.reference._hybrid_replicas import JobReplicas
 from dynarl.backends.reference._learner import ReferenceTrainer
 from dynarl.backends.reference._logprob import LogProbWorker
+from dynarl.backends.reference._megatron_model import from_megatron, megatron_model, to_megatron
 from dynarl.backends.reference._rollout_engine import EngineConfig, RolloutEngine
 from dynarl.backends.reference._samples import GROUP, SEED_ID, meta_float
 from dynarl.backends.reference._serving import ReferenceInference, ReferenceRollout, ReferenceTools
-from dynarl.backends.reference._setup import ReferenceSetup, save_weights_file, warm_start
+from dynarl.backends.reference._setup import (
+    ReferenceSetup,
+    default_train,
+    save_weights_file,
+    warm_start,
+)
 from dynarl.backends.reference._staleness import MessageQueue
 from dynarl.backends.reference._tasks import ChainSumTask, Problem, Task, ToolCalcTask, sft_samples
 from dynarl.backends.reference._tokenizer import CharTokenizer
 from dynarl.backends.reference._tools import ToolLatency, ToolWorker
-from dynarl.backends.reference._trainer import TrainConfig, Trainer
 
 __all__ = [
     "GROUP",
@@ -70,12 +77,14 @@ __all__ = [
     "ToolCall",
     "ToolLatency",
     "ToolWorker",
-    "TrainConfig",
-    "Trainer",
     "collect_rollouts",
+    "default_train",
+    "from_megatron",
+    "megatron_model",
     "meta_float",
     "save_weights_file",
     "sft_samples",
     "solo_process_group",
+    "to_megatron",
     "warm_start",
 ]

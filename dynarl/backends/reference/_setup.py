@@ -16,18 +16,20 @@ from pathlib import Path
 
 import torch
 
+from dynarl.backends._grpo import GRPOConfig
 from dynarl.backends._json_option import json_option, read_json_option
+from dynarl.backends.megatron import MegatronSetup, MegatronTrainConfig
 from dynarl.backends.reference._gpt import GPTConfig, check_full_state
 from dynarl.backends.reference._rollout_engine import EngineConfig
 from dynarl.backends.reference._tasks import ChainSumTask, Task, ToolCalcTask
 from dynarl.backends.reference._tokenizer import CharTokenizer
 from dynarl.backends.reference._tools import ToolLatency
-from dynarl.backends.reference._trainer import TrainConfig
 from dynarl.bus import MetaValue
 
 __all__ = [
     "SETUP_OPTION",
     "ReferenceSetup",
+    "default_train",
     "load_weights_file",
     "save_weights_file",
     "warm_start",
@@ -43,8 +45,8 @@ class ReferenceSetup:
 
     model: GPTConfig = field(default_factory=GPTConfig)
     """Architecture (every role builds the same one)."""
-    train: TrainConfig = field(default_factory=TrainConfig)
-    """Trainer settings (deterministic mode, learning rate, loss)."""
+    train: MegatronTrainConfig = field(default_factory=lambda: default_train())
+    """Trainer settings (learning rate, loss; the trainer is Megatron's, on the CPU)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Rollout engine capacity and mode."""
     task: str = "chain_sum"
@@ -85,6 +87,18 @@ class ReferenceSetup:
             raise ValueError(f"ReferenceSetup.temperature must be > 0, got {self.temperature}")
         if self.engine.max_seq_len > self.model.max_seq_len:
             raise ValueError("ReferenceSetup: engine.max_seq_len exceeds model.max_seq_len")
+        if self.train.device != "cpu":
+            raise ValueError(
+                f"ReferenceSetup.train.device must be 'cpu' (the reference job's engines and "
+                f"weight sync are CPU code), got {self.train.device!r}"
+            )
+
+    def megatron(self) -> MegatronSetup:
+        """The trainer component's setup: the reference architecture as a Megatron GPTModel
+        (:func:`~._megatron_model.megatron_model`), data parallel over its devices."""
+        from dynarl.backends.reference._megatron_model import megatron_model
+
+        return MegatronSetup(model=megatron_model(self.model), train=self.train)
 
     def to_options(self) -> dict[str, MetaValue]:
         """The component options that carry this setup."""
@@ -143,28 +157,52 @@ def load_weights_file(path: str | Path, model: GPTConfig) -> dict[str, torch.Ten
     return dict(state)
 
 
+def default_train(**fields: object) -> MegatronTrainConfig:
+    """The reference job's trainer settings: Adam at lr 1e-3, micro-batches of 8, GRPO
+    without a KL term, on the CPU; ``fields`` override them."""
+    base: dict[str, object] = {"lr": 1e-3, "micro_batch_size": 8, "device": "cpu"}
+    base.setdefault("grpo", GRPOConfig())
+    base.update(fields)
+    return MegatronTrainConfig(**base)  # type: ignore[arg-type]
+
+
 def warm_start(
     setup: ReferenceSetup, *, num_steps: int, batch_size: int = 32, lr: float = 2e-3
 ) -> dict[str, torch.Tensor]:
     """Supervised warm-up on the task's reference responses (RL post-training starts from
-    an SFT model: from random weights no response earns a reward); the full state dict.
+    an SFT model: from random weights no response earns a reward); the full state dict
+    under the reference names.
 
-    Runs in this process on one rank (a one-rank gloo group for its duration); problems
-    come from another seed than the RL ones. Raises ValueError if torch.distributed is
-    already initialized here.
+    Trains the job's own trainer (Megatron's GPTModel, :meth:`ReferenceSetup.megatron`) in
+    this process on one rank (a one-rank gloo group for its duration), from Megatron's
+    draw of the initial weights; problems come from another seed than the RL ones. Raises
+    ValueError if torch.distributed is already initialized here.
     """
     from dataclasses import replace
 
+    import torch.distributed as dist
+
+    from dynarl.backends.megatron import MegatronTrainer
     from dynarl.backends.reference._gpt import solo_process_group
+    from dynarl.backends.reference._megatron_model import from_megatron
     from dynarl.backends.reference._tasks import sft_samples
-    from dynarl.backends.reference._trainer import Trainer
 
     tokenizer = CharTokenizer()
     task = setup.make_task(seed_offset=1)
-    config = replace(setup.train, lr=lr)
-    with solo_process_group() as group:
-        trainer = Trainer(setup.model, config, tp_group=group, dp_group=group)
-        for step in range(num_steps):
-            batch = sft_samples(task, tokenizer, step=10_000 + step, batch_size=batch_size)
-            trainer.sft_step(batch)
-        return trainer.model.full_state_dict()
+    megatron = setup.megatron()
+    with solo_process_group():
+        trainer = MegatronTrainer(
+            megatron.model,
+            replace(setup.train, lr=lr, micro_batch_size=batch_size),
+            rank=0,
+            store=dist.HashStore(),  # type: ignore[attr-defined]
+        )
+        trainer.start(trainer.layout_spec((0,)), epoch=0)
+        try:
+            for step in range(num_steps):
+                trainer.sft_step(
+                    sft_samples(task, tokenizer, step=10_000 + step, batch_size=batch_size)
+                )
+            return from_megatron(trainer.gather(0), setup.model)
+        finally:
+            trainer.close()
