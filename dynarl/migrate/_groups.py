@@ -152,8 +152,11 @@ class LayoutGroups:
 
     ``tp``, ``dp``, ``pp`` and ``mp`` are this rank's tensor-, data-, pipeline- and model-
     (tp × pp) parallel groups; ``embd`` joins the first and last stage of this rank's
-    pipeline, ``pos_embd`` is its first stage, ``cp`` is this rank alone (no context
-    parallelism). Groups of size one are real groups too: Megatron calls collectives on them.
+    pipeline, ``pos_embd`` is its first stage, ``cp`` is its context-parallel group (this
+    rank alone without CP). With CP, ``dp_cp`` and ``tp_cp`` join; with CP, expert
+    parallelism or an expert TP of its own, so do the expert generator's ``ep``, ``etp``,
+    ``edp`` and ``tp_ep`` (see :meth:`LayoutSpec.group_ranks`). Groups of size one are real
+    groups too: Megatron calls collectives on them.
     """
 
     epoch: int
@@ -161,7 +164,8 @@ class LayoutGroups:
     spec: LayoutSpec
     """The layout."""
     groups: dict[str, CommGroup]
-    """``{kind: group}`` for kinds tp, dp, pp, mp, cp, embd, pos_embd."""
+    """``{kind: group}`` for kinds tp, dp, pp, mp, cp, embd, pos_embd and the optional
+    dp_cp, tp_cp, ep, etp, edp, tp_ep."""
 
     @classmethod
     def build(
@@ -197,14 +201,20 @@ class LayoutGroups:
     def member_ranks(spec: LayoutSpec, rank: int) -> dict[str, tuple[int, ...]]:
         """The ranks of each group ``rank`` belongs to under ``spec`` (pure)."""
         spec.coords(rank)
-        out: dict[str, tuple[int, ...]] = {}
-        for kind in ("tp", "dp", "pp", "mp"):
-            (mine,) = [g for g in spec.group_ranks(kind) if rank in g]
-            out[kind] = mine
+
+        def mine(kind: str) -> tuple[int, ...]:
+            (group,) = [g for g in spec.group_ranks(kind) if rank in g]
+            return group
+
+        out = {kind: mine(kind) for kind in ("tp", "dp", "pp", "mp")}
         pipeline = out["pp"]
         out["embd"] = tuple(dict.fromkeys((pipeline[0], pipeline[-1])))
         out["pos_embd"] = (pipeline[0],)
-        out["cp"] = (rank,)
+        out["cp"] = mine("cp")
+        optional: tuple[str, ...] = ("dp_cp", "tp_cp") if spec.cp > 1 else ()
+        if spec.cp > 1 or spec.ep > 1 or spec.etp != spec.tp:
+            optional += ("ep", "etp", "edp", "tp_ep")
+        out |= {kind: mine(kind) for kind in optional}
         if rank not in out["embd"]:
             del out["embd"]
         if rank not in out["pos_embd"]:

@@ -75,17 +75,26 @@ def test_replicas_on_other_ranks_may_overlap_and_local_data_never_moves() -> Non
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("field", "value", "suffix"),
     [
-        ("context_parallel", 2),
-        ("expert_parallel", 2),
-        ("sequence_parallel", True),
-        ("virtual_pipeline", 2),
+        ("context_parallel", 2, "-cp2"),
+        ("expert_parallel", 2, "-ep2"),
+        ("sequence_parallel", True, "-sp"),
+        ("virtual_pipeline", 2, "-vpp2"),
     ],
 )
-def test_unsupported_dimensions_are_refused_by_name(field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=field):
-        LayoutSpec(ranks=(0, 1), tp=2, **{field: value})  # type: ignore[arg-type]
+def test_context_expert_sequence_and_virtual_pipeline_layouts_are_built(
+    field: str, value: object, suffix: str
+) -> None:
+    # Refusals of the combinations that stay unsupported: tests/unit/test_expert_layouts.py.
+    params = [
+        ParamSpec(name=f"l{n}.e{e}", shape=(4, 2), tp_dim=0, layer=n, expert=e)
+        for n in range(4)
+        for e in range(2)
+    ]
+    dp = 1 if field == "context_parallel" else 2
+    spec = LayoutSpec(ranks=tuple(range(8)), tp=2, pp=2, dp=dp, **{field: value})  # type: ignore[arg-type]
+    assert trainer_layout(params, spec).name.endswith(suffix)
 
 
 def test_layout_spec_checks_sizes_and_ranks() -> None:
