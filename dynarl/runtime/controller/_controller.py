@@ -29,7 +29,6 @@ import contextlib
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AsyncExitStack
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +47,7 @@ from dynarl.bus import (
 from dynarl.errors import BusError, DynarlError, WorkerError
 from dynarl.runtime._faults import FaultInjector
 from dynarl.runtime._spec import ComponentSpec, RuntimeConfig
+from dynarl.runtime._store import host_store
 from dynarl.runtime._worker_protocol import Done, Shutdown
 from dynarl.runtime.controller._coordinator import Coordinator
 from dynarl.runtime.controller._durability import AllocationJournal
@@ -137,16 +137,10 @@ class Controller(AsyncResource):
     # ------------------------------------------------------------------ life cycle
 
     async def _open(self, stack: AsyncExitStack) -> None:
-        from torch._C._distributed_c10d import TCPStore
-
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with stage("store", WorkerError):
-            self.store: Store = self._given_store or TCPStore(
-                "127.0.0.1",
-                0,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=self.config.collective_timeout_s),
+            self.store: Store = self._given_store or host_store(
+                "127.0.0.1", 0, timeout_s=self.config.collective_timeout_s
             )
         stack.callback(self._release_store)
         # The publisher before the server, so it outlives every peer event the server emits.

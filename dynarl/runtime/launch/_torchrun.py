@@ -48,6 +48,7 @@ from dynarl.bus import CurveClient, CurveServer, load_public_key, load_secret_ke
 from dynarl.errors import WorkerError
 from dynarl.runtime._cores import pinned_cores
 from dynarl.runtime._job_spec import JobSpec
+from dynarl.runtime._store import host_store
 from dynarl.runtime.launch._job_ranks import SpecJob, describe
 from dynarl.runtime.launch._rendezvous import AdmissionDesk, request_admission
 
@@ -291,11 +292,14 @@ def load_job(spec: str) -> LaunchedJob:
 
 
 def open_store(env: DistEnv, timeout_s: float) -> TCPStore:
-    """This rank's client of the job's TCPStore (rank 0 hosts it unless torchrun's agent
-    does). Raises what TCPStore raises when it cannot connect within ``timeout_s``."""
-    is_master = env.rank == 0 and not env.use_agent_store
+    """This rank's client of the job's TCPStore. Rank 0 hosts it unless torchrun's agent
+    does (its default; the agent's listens on every interface), listening on MASTER_ADDR
+    only. Raises OSError when rank 0 cannot listen there, what TCPStore raises when a rank
+    cannot connect within ``timeout_s``."""
+    if env.rank == 0 and not env.use_agent_store:
+        return host_store(env.master_addr, env.master_port, timeout_s=timeout_s, multi_tenant=True)
     return TCPStore(
-        env.master_addr, env.master_port, is_master=is_master,
+        env.master_addr, env.master_port, is_master=False,
         timeout=timedelta(seconds=timeout_s), wait_for_workers=False, multi_tenant=True,
     )  # fmt: skip
 

@@ -1,0 +1,48 @@
+"""A TCPStore server that listens on one address.
+
+torch's TCPStore server listens on every interface whatever host it is given (the host
+only tells the store's own client where to connect), and the store has no authentication:
+anyone who reaches its port reads and writes the job's keys. :func:`host_store` binds the
+listening socket itself, on the address the job's clients are told — loopback for a job
+on one machine, ``MASTER_ADDR`` under torchrun — and hands it to the store.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import TCPStore
+
+__all__ = ["host_store"]
+
+_BACKLOG = 512
+
+
+def host_store(host: str, port: int, *, timeout_s: float, multi_tenant: bool = False) -> TCPStore:
+    """The server of a TCPStore listening on ``host``'s first address only (``port`` 0:
+    any free one; the store's ``port`` says which). Runs on the caller's thread.
+
+    Raises OSError when ``host`` does not resolve or is not an address of this machine
+    (``EADDRNOTAVAIL``), or the port is taken; what TCPStore raises otherwise.
+    """
+    from torch._C._distributed_c10d import TCPStore
+
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    with socket.socket(family, kind, proto) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(_BACKLOG)
+        bound = int(listener.getsockname()[1])
+        # The store owns a duplicate; this socket closes on leaving. Should the store
+        # refuse it, the duplicate is not closed here: whether torch closed it is unknown.
+        fd = os.dup(listener.fileno())
+    return TCPStore(
+        host, bound, is_master=True, wait_for_workers=False, multi_tenant=multi_tenant,
+        timeout=timedelta(seconds=timeout_s), master_listen_fd=fd,
+    )  # fmt: skip
