@@ -28,12 +28,23 @@ preemptions, waits (p50/p99/max) and the most overtakes a request suffered (asse
 The DynaRL key's cached-prefix term comes from the dispatcher's shadow of the engine's
 cache (``ComponentSpec.prefix_cache``: 128-token blocks, the engine's KV blocks), checked
 against every request's reported ``cached_tokens`` (``shadow_exact``, ``shadow_error``:
-the share predicted exactly, the mean error in tokens). Not built yet: the simulator's
-predictions of these runs (``sim_gain_error`` is null).
+the share predicted exactly, the mean error in tokens).
+
+**The simulator against the engine.** On the control server, before any policy run, a
+profiling pass (``bench/_vllm_profile.py``: decode step time by batch and KV, prefill
+speed) calibrates the simulator's engine model — vLLM's configuration as a
+``RolloutSpec``: the pressure run's KV less vLLM's null block, ``max_num_seqs``, no
+reserve for future tokens (vLLM allocates blocks as decoding goes), whole 128-token blocks
+reused from the prefix cache — which is frozen and named by its hash
+(``sim_model_digest``) before the policies run. ``dynarl.sim.replay_rollout`` then predicts
+every policy's iteration time on the same trace (and the control's); the errors are
+reported per policy, and ``sim_gain_error`` is the predicted minus the measured gain of
+DynaRL's key over FIFO.
 
 Last line, JSON: ``pressure``/``control`` figures, ``pressure_verified``, per policy
 ``iteration_s``, ``hit_rate``, ``reprefill_tokens``, ``max_overtakes`` (and the rest), and
-``aa_noise``, ``priority_gain_over_fifo``, ``sim_gain_error``.
+``aa_noise``, ``priority_gain_over_fifo``, ``sim_gain_error``, and ``sim`` (the model, its
+digest, the profile, the predictions and their errors).
 
     .venv/bin/python bench/priority.py [--episodes N] [--kv-blocks N] [--reps N] [--seed N]
 """
@@ -42,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -49,6 +61,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from _vllm_profile import profile_engine
 
 from dynarl.backends.serving import EngineRollout, EngineSetup
 from dynarl.backends.vllm import VLLMClient, VLLMClientConfig, VLLMServer, VLLMServerConfig
@@ -63,7 +77,18 @@ from dynarl.sched import (
     SchedulerConfig,
     ToolMlfqPolicy,
 )
-from dynarl.sim import AgenticSpec, BatchSpec, IterationTrace, LengthSpec, agentic_trace
+from dynarl.sim import (
+    AgenticSpec,
+    BatchSpec,
+    EngineProfile,
+    IterationTrace,
+    LengthSpec,
+    RolloutSpec,
+    agentic_trace,
+    load_workload,
+    replay_rollout,
+    spec_digest,
+)
 from dynarl.testing._tiny_llama import write_tiny_llama
 
 VOCAB = 380
@@ -201,11 +226,15 @@ async def replay_on(
 
 async def all_runs(
     model: Path, work: Path, kv_blocks: int, it: IterationTrace, reps: int
-) -> tuple[Run, Run, dict[str, list[Run]]]:
-    """The control (ample KV), then on the pressure server every policy ``reps`` times."""
+) -> tuple[Run, Run, dict[str, list[Run]], EngineProfile, RolloutSpec]:
+    """The control (ample KV) and the profiling pass (the simulator's model fitted and
+    frozen), then on the pressure server every policy ``reps`` times."""
     async with VLLMServer(server_config(model, work / "control", None)) as server:
         ample = AMPLE_BLOCKS
         control = await replay_on(server, work / "control" / "run", FifoPolicy(), it, ample)
+        profile = await profile_engine(server.url, vocab=VOCAB)
+    spec = vllm_spec(profile, kv_blocks)
+    print(f"simulator model frozen before the policy runs: {spec_digest(spec)}", flush=True)
     runs: dict[str, list[Run]] = {name: [] for name in POLICIES}
     names = list(POLICIES)
     async with VLLMServer(server_config(model, work / "pressure", kv_blocks)) as server:
@@ -216,7 +245,53 @@ async def all_runs(
                 run = await replay_on(server, where, POLICIES[name], it, kv_blocks)
                 runs[name].append(run)
                 print(f"round {rep + 1} {name:>8}: {run.report.wall_s:.2f} s", flush=True)
-    return runs["fifo"][0], control, runs
+    return runs["fifo"][0], control, runs, profile, spec
+
+
+def vllm_spec(profile: EngineProfile, kv_blocks: int) -> RolloutSpec:
+    """The simulator's model of the pressure server: its configuration, the profile's
+    speeds. vLLM keeps one of its KV blocks as the null block; it reserves nothing for
+    future tokens (blocks are allocated as decoding goes) and preempts the newest running
+    request when a step finds no free block (modelled as a retraction freeing a few steps
+    of headroom); its prefix cache serves whole blocks only, siblings share a cached
+    prompt's blocks while they run, and a freed sequence's blocks are evicted last first
+    (``shared_prefix``)."""
+    base = RolloutSpec(
+        tp=1, kv_capacity_tokens=(kv_blocks - 1) * BLOCK, max_running_requests=MAX_NUM_SEQS,
+        step_fixed_s=1.0, step_per_seq_s=0.0, step_per_kv_token_s=0.0, prefill_tokens_per_s=1.0,
+        new_token_ratio=0.0, min_new_token_ratio=0.0, retract_decode_steps=8,
+        cache_block_tokens=BLOCK, shared_prefix=True,
+    )  # fmt: skip
+    return profile.fit(base)
+
+
+def predictions(
+    spec: RolloutSpec, it: IterationTrace, measured: dict[str, float], control_s: float
+) -> dict[str, Any]:
+    """The frozen model's iteration time of every policy (and of the control) on ``it``,
+    with its relative error against the measured medians."""
+    root = Path(__file__).resolve().parents[1]
+    base = load_workload(root / "examples" / "workloads" / "agentic-7b-64gpu.toml")
+    batch = dataclasses.replace(base.batch, max_seq_len=MAX_MODEL_LEN)
+    workload = dataclasses.replace(base, rollout=spec, batch=batch)
+    out: dict[str, Any] = {}
+    for name, policy in POLICIES.items():
+        replay = replay_rollout(workload, it, policy)
+        out[name] = {
+            "iteration_s": round(replay.iteration_s, 3),
+            "error": round(replay.iteration_s / measured[name] - 1.0, 4),
+            "hit_rate": round(replay.hit_rate, 4),
+            "reprefill_tokens": replay.reprefill_tokens,
+            "retractions": replay.retractions,
+        }
+    ample = dataclasses.replace(spec, kv_capacity_tokens=AMPLE_BLOCKS * BLOCK)
+    control = replay_rollout(dataclasses.replace(workload, rollout=ample), it, FifoPolicy())
+    out["control"] = {
+        "iteration_s": round(control.iteration_s, 3),
+        "error": round(control.iteration_s / control_s - 1.0, 4),
+        "hit_rate": round(control.hit_rate, 4),
+    }
+    return out
 
 
 def summary(runs: list[Run]) -> dict[str, Any]:
@@ -241,7 +316,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dynarl-priority-") as tmp:
         work = Path(tmp)
         model = write_tiny_llama(work / "model", seed=0, max_position_embeddings=MAX_MODEL_LEN)
-        pressure, control, runs = asyncio.run(all_runs(model, work, args.kv_blocks, it, args.reps))
+        pressure, control, runs, profile, spec = asyncio.run(
+            all_runs(model, work, args.kv_blocks, it, args.reps)
+        )
     figures: dict[str, Any] = {"pressure": pressure.figures(), "control": control.figures()}
     figures["pressure_verified"] = (
         pressure.kv_peak >= 0.95
@@ -266,6 +343,11 @@ def main() -> int:
             f"vs FIFO {gains[name]:+.1%} ({claim})"
         )
     bound_held = all(r.max_overtakes <= MAX_OVERTAKES for v in runs.values() for r in v)
+    measured = {name: p["iteration_s"] for name, p in policies.items()}
+    predicted = predictions(spec, it, measured, control.report.wall_s)
+    sim_gain = predicted["fifo"]["iteration_s"] / predicted["dynarl"]["iteration_s"] - 1.0
+    for name, p in predicted.items():
+        print(f"sim {name:>8}: {p['iteration_s']:.2f} s (error {p['error']:+.1%})")
     figures.update(
         policies=policies,
         aa_noise=round(noise, 4),
@@ -274,7 +356,14 @@ def main() -> int:
         priority_gain_above_noise=abs(gains["dynarl"]) > noise,
         max_overtakes_bound=MAX_OVERTAKES,
         overtakes_within_bound=bound_held,
-        sim_gain_error=None,
+        sim_gain_error=round(sim_gain - gains["dynarl"], 4),
+        sim={
+            "model": dataclasses.asdict(spec),
+            "model_digest": spec_digest(spec),
+            "profile": profile.to_dict(),
+            "predicted": predicted,
+            "predicted_gain_over_fifo": round(sim_gain, 4),
+        },
         kv_blocks=args.kv_blocks,
         reps=args.reps,
         episodes=it.num_samples,

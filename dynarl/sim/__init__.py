@@ -1,7 +1,9 @@
 """A discrete-event simulator that drives the real scheduler in virtual time.
 
 Load a workload (:func:`load_workload`), compare policies on its trace (:func:`compare`,
-:func:`run_policy`, :func:`sweep`), render the results (:func:`format_table`,
+:func:`run_policy`, :func:`sweep`), calibrate its engine model on a real engine
+(:class:`EngineProfile`, :func:`spec_digest`) and predict a replay
+(:func:`replay_rollout`), render the results (:func:`format_table`,
 :func:`results_json`, :func:`plot_timelines`; a sweep's: :func:`format_sweep`,
 :func:`plot_sweep`). The simulator uses ``dynarl.sched``'s scheduler, predictor, request
 queues and hybrid controller as they are; migrations, engines and stages are modelled.
@@ -9,6 +11,14 @@ queues and hybrid controller as they are; migrations, engines and stages are mod
 
 from __future__ import annotations
 
+from dynarl.sim._calibration import (
+    DecodePoint,
+    EngineProfile,
+    PrefillPoint,
+    RolloutReplay,
+    replay_rollout,
+    spec_digest,
+)
 from dynarl.sim._components import SimEvent
 from dynarl.sim._event_loop import EventLoop
 from dynarl.sim._plot import plot_sweep, plot_timelines
@@ -42,13 +52,17 @@ __all__ = [
     "AgenticSpec",
     "BatchSpec",
     "ClusterSpec",
+    "DecodePoint",
     "DynarlPolicy",
+    "EngineProfile",
     "EventLoop",
     "IterationTrace",
     "LengthSpec",
     "MigrationSpec",
     "ModelSpec",
+    "PrefillPoint",
     "Rollout",
+    "RolloutReplay",
     "RolloutSpec",
     "SimEvent",
     "Simulation",
@@ -64,9 +78,11 @@ __all__ = [
     "load_workload",
     "plot_sweep",
     "plot_timelines",
+    "replay_rollout",
     "results_json",
     "rollout_alone",
     "run_policy",
+    "spec_digest",
     "start_partition",
     "sweep",
     "with_overrides",

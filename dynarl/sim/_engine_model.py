@@ -21,7 +21,11 @@ raised; it decays back to its floor over ``new_token_ratio_decay_steps`` steps.
 
 Prefix cache: a finished turn leaves its context cached (agentic), a group's prompt is
 cached once prefilled (GRPO siblings share it); cached tokens share the KV budget and
-are evicted least recently used when running requests need the room. An eviction
+are evicted least recently used when running requests need the room; a prefix is reused
+in whole blocks of ``cache_block_tokens``. With ``shared_prefix`` (what SGLang's radix
+tree and vLLM's block pool do; off in the validated model) siblings running on a cached
+group prompt hold its KV once and it stays while they run, and eviction frees a prefix
+from its tail, so what is left still serves its head. An eviction
 re-keys the waiting request that would have reused the prefix, so priority ordering
 sees what is really cached. :meth:`Engine.abort` returns every request with its partial
 output (the caller re-submits it elsewhere: the KV is not moved). Single-threaded,
@@ -77,6 +81,11 @@ class SimRequest:
     """Engine progress at admission minus ``done``: it finishes at ``g0 + target``."""
     epoch: int = 0
     """Admission count (stale heap entries are recognised by it)."""
+    tool_ok: bool = True
+    """Whether the tool call before this turn succeeded (True on turn 0)."""
+    shared: int = 0
+    """While it runs: tokens of its prompt held once, in its group's cached prompt, for
+    every sibling that runs on it (the engines share a cached prefix's KV)."""
 
     @property
     def cache_key(self) -> tuple[int, int, int]:
@@ -116,6 +125,9 @@ class Engine:
         self._waiting_by_key: dict[tuple[int, int, int], str] = {}
         self.cache: OrderedDict[tuple[int, int, int], int] = OrderedDict()
         self.cached_tokens = 0
+        self._pins: dict[tuple[int, int, int], int] = {}
+        self.pinned_tokens = 0
+        self.shared_kv = 0
         self._ratio_start = spec.new_token_ratio
         self._ratio_g = 0.0
         self._decay = (spec.new_token_ratio - spec.min_new_token_ratio) / max(
@@ -127,6 +139,8 @@ class Engine:
         self.prefill_tokens = 0
         self.reprefill_tokens = 0
         self.num_retractions = 0
+        self.admitted_tokens = 0
+        self.hit_tokens = 0
 
     # ------------------------------------------------------------------ state
     @property
@@ -141,8 +155,9 @@ class Engine:
 
     @property
     def kv_tokens(self) -> float:
-        """Active KV tokens of the running requests (at the last advance)."""
-        return self.kv_base + len(self.running) * self.g
+        """Active KV tokens of the running requests, a shared prompt counted once (at the
+        last advance)."""
+        return self.kv_base + len(self.running) * self.g + self.pinned_tokens
 
     def utilization(self) -> float:
         """Active KV tokens / capacity (DynaRL's rollout signal), advanced to now."""
@@ -166,7 +181,7 @@ class Engine:
         if now > start and b:
             dt = now - start
             spec = self.spec
-            s0 = spec.step_time(b, self.kv_base + b * self.g)
+            s0 = spec.step_time(b, self.kv_base + self.shared_kv + b * self.g)
             c = spec.step_per_kv_token_s * b
             dg = 2.0 * dt / (s0 + math.sqrt(s0 * s0 + 2.0 * c * dt))
             self.g += dg
@@ -181,14 +196,14 @@ class Engine:
         if not self.alive or not b:
             return
         spec = self.spec
-        kv = self.kv_base + b * self.g
+        kv = self.kv_base + b * self.g  # memory (a shared prompt is in the cache)
         to_finish = self._heap[0][0] - self.g
         if self.cached_tokens:  # running KV grows into cached prefixes: evict them then
             to_full = (spec.kv_capacity_tokens - b - kv - self.cached_tokens) / b
         else:
             to_full = (spec.kv_capacity_tokens - b - kv) / b if b > 1 else math.inf
         dg = max(min(to_finish, to_full), 0.0)
-        s0 = spec.step_time(b, kv)
+        s0 = spec.step_time(b, kv + self.shared_kv)  # attention reads every context whole
         dt = s0 * dg + 0.5 * spec.step_per_kv_token_s * b * dg * dg
         start = self.t if self.t > self.stall_until else self.stall_until
         self._handle = self.loop.at(start + dt, self._on_event)
@@ -202,7 +217,7 @@ class Engine:
         cap = self.spec.kv_capacity_tokens
         if b and self.kv_base + b * self.g + self.cached_tokens >= cap - b - 1e-6:
             self._evict(headroom=b * self.spec.retract_decode_steps)
-        if b > 1 and self.kv_base + b * self.g >= cap - b - 1e-6:
+        if b > 1 and self.kv_base + b * self.g + self.pinned_tokens >= cap - b - 1e-6:
             self._retract()
         self._step(now)
         for req in finished:
@@ -218,15 +233,35 @@ class Engine:
             if req is None or req.epoch != epoch:
                 continue
             del running[rid]
-            self.kv_base -= req.prompt - req.g0
+            self._release(req)
             req.done = req.target
             finished.append(req)
             self.completed += 1
             if req.cache_after:
                 self._cache_put((1, req.iteration, req.sample), req.prompt + req.target)
         if not running:
-            self.kv_base = 0.0
+            self._idle()
         return finished
+
+    def _release(self, req: SimRequest) -> None:
+        """Take a request that stops running out of the KV accounting."""
+        self.kv_base -= req.prompt - req.shared - req.g0
+        if req.shared:
+            self.shared_kv -= req.shared
+            key = req.cache_key
+            self._pins[key] -= 1
+            if not self._pins[key]:
+                del self._pins[key]
+                self.pinned_tokens -= self.cache.get(key, 0)
+            req.shared = 0
+
+    def _idle(self) -> None:
+        """No request runs: clear the running sums (no float drift carries over)."""
+        self.kv_base = 0.0
+        self.shared_kv = 0
+        if self._pins:  # pragma: no cover - every release unpins
+            raise AssertionError(f"prefixes pinned with nothing running: {self._pins}")
+        self.pinned_tokens = 0
 
     def _retract(self) -> None:
         spec = self.spec
@@ -239,12 +274,13 @@ class Engine:
         max_new = sum(r.max_new for r in order)
         while len(order) > 1:
             b = len(self.running)
-            if self.kv_base + b * self.g + b * spec.retract_decode_steps <= spec.kv_capacity_tokens:
+            held = self.kv_base + b * self.g + self.pinned_tokens
+            if held + b * spec.retract_decode_steps <= spec.kv_capacity_tokens:
                 break
             req = order.pop()
             del self.running[req.rid]
-            self.kv_base -= req.prompt - req.g0
             req.done = int(self.g - req.g0)
+            self._release(req)
             self.num_retractions += 1
             self._enqueue(req)
         self._ratio_start = min(
@@ -265,15 +301,20 @@ class Engine:
             self._enqueue(req)
         self._step(self.loop.now)
 
+    def _hit(self, req: SimRequest) -> int:
+        """Tokens of ``req``'s prompt the cache serves: its cached prefix, in whole blocks."""
+        hit = min(self.cache.get(req.cache_key, 0), req.prompt)
+        return hit - hit % self.spec.cache_block_tokens
+
     def _enqueue(self, req: SimRequest) -> None:
         key = str(req.rid)
-        hit = min(self.cache.get(req.cache_key, 0), req.prompt)
         self.queue.push(
             QueuedRequest(
                 request_id=key,
                 tool_calls=req.turn,
-                cached_prefix=hit,
+                cached_prefix=self._hit(req),
                 attained_service=req.attained + req.done,
+                tool_ok=req.tool_ok,
             )
         )
         self.waiting[key] = req
@@ -296,10 +337,11 @@ class Engine:
             head = queue.peek()
             assert head is not None
             req = waiting[head.request_id]
-            hit = min(self.cache.get(req.cache_key, 0), req.prompt)
+            hit = self._hit(req)
             need = req.prompt + req.done - hit
             b = len(running)
-            room = spec.kv_capacity_tokens - (self.kv_base + b * self.g) - ratio * clip * b
+            held = self.kv_base + b * self.g + self.pinned_tokens
+            room = spec.kv_capacity_tokens - held - ratio * clip * b
             own = ratio * min(clip, max(req.max_new - req.done, 0))
             if b and need + own > room:
                 break
@@ -311,9 +353,12 @@ class Engine:
             req.epoch += 1
             req.g0 = self.g - req.done
             running[req.rid] = req
-            self.kv_base += req.prompt - req.g0
+            self._share(req)
+            self.kv_base += req.prompt - req.shared - req.g0
             heapq.heappush(self._heap, (req.g0 + req.target, req.rid, req.epoch))
             prefill += need
+            self.admitted_tokens += req.prompt + req.done
+            self.hit_tokens += hit
             self.reprefill_tokens += max(0, need - req.fresh)
             req.fresh = 0
         if prefill:
@@ -333,6 +378,22 @@ class Engine:
         else:
             self.cache.move_to_end(key)
 
+    def _share(self, req: SimRequest) -> None:
+        """A first turn runs on its group's cached prompt: pin it (not evictable while a
+        sibling runs on it) and count its tokens once."""
+        key = req.cache_key
+        if not self.spec.shared_prefix or key[0] != 0:
+            return
+        shared = min(self.cache.get(key, 0), req.prompt)
+        if not shared:
+            return
+        req.shared = shared
+        self.shared_kv += shared
+        count = self._pins.get(key, 0)
+        if not count:
+            self.pinned_tokens += self.cache[key]
+        self._pins[key] = count + 1
+
     def _cache_put(self, key: tuple[int, int, int], tokens: int) -> None:
         old = self.cache.pop(key, None)
         if old is not None:
@@ -341,15 +402,31 @@ class Engine:
         self.cached_tokens += tokens
 
     def _evict(self, headroom: float = 0.0) -> None:
-        """Drop least recently used prefixes until running KV, cache and ``headroom`` fit."""
+        """Evict least recently used prefixes until running KV, cache and ``headroom`` fit:
+        whole (the validated model), or with ``shared_prefix`` from their tails, whole
+        blocks at a time, skipping those in use (a radix tree frees leaves first; vLLM frees
+        a sequence's blocks from its last), so the head of a prefix outlives its tail."""
         cap = self.spec.kv_capacity_tokens - headroom
         used = self.kv_base + len(self.running) * self.g
-        while self.cache and used + self.cached_tokens > cap:
-            key, tokens = self.cache.popitem(last=False)
-            self.cached_tokens -= tokens
+        block = self.spec.cache_block_tokens
+        while used + self.cached_tokens > cap:
+            key = next((k for k in self.cache if k not in self._pins), None)
+            if key is None:
+                break  # what is cached is in use
+            tokens = self.cache[key]
+            excess = used + self.cached_tokens - cap
+            cut = tokens
+            if self.spec.shared_prefix:
+                cut = min(tokens, block * math.ceil(excess / block - _EPS))
+            self.cached_tokens -= cut
+            if cut == tokens:
+                del self.cache[key]
+            else:
+                self.cache[key] = tokens - cut
             waiting = self._waiting_by_key.get(key)
             if waiting is not None and waiting in self.waiting:
-                self.queue.update(waiting, cached_prefix=0)
+                left = self._hit(self.waiting[waiting]) if key in self.cache else 0
+                self.queue.update(waiting, cached_prefix=left)
 
     # ------------------------------------------------------------------ abort
     def drain(self) -> list[SimRequest]:
@@ -361,11 +438,12 @@ class Engine:
         out = []
         for req in self.running.values():
             req.done = min(int(self.g - req.g0), req.target - 1) if req.target > 1 else 0
+            self._release(req)
             out.append(req)
         out += self.take_waiting()
         self.running.clear()
         self._heap.clear()
-        self.kv_base = 0.0
+        self._idle()
         self._reschedule()
         return out
 
@@ -385,11 +463,11 @@ class Engine:
         out = []
         for req in order[: max(count, 0)]:
             del self.running[req.rid]
-            self.kv_base -= req.prompt - req.g0
             req.done = int(self.g - req.g0)
+            self._release(req)
             out.append(req)
         if not self.running:
-            self.kv_base = 0.0
+            self._idle()
         self._step(self.loop.now)
         return out
 

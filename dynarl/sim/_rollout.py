@@ -270,6 +270,7 @@ class Rollout:
             fresh=obs,
             cache_after=t + 2 < int(trace.turn_start[req.sample + 1]),
             attained=req.attained + req.target,
+            tool_ok=True if trace.tool_ok is None else bool(trace.tool_ok[t]),
         )
         self._route(nxt, engine)
 

@@ -220,6 +220,16 @@ class RolloutSpec:
     """Future tokens counted per request at most, before the ratio."""
     retract_decode_steps: int = 20
     """Steps of headroom a retraction frees (SGLang's retract_decode_steps)."""
+    cache_block_tokens: int = 1
+    """Granularity of prefix reuse: a cached prefix serves whole blocks of this many tokens
+    only (SGLang's radix cache: 1; vLLM caches full KV blocks, 128 tokens on its CPU
+    backend). The per-request model only (``vector`` runs need 1)."""
+    shared_prefix: bool = False
+    """The prefix cache as the engines keep it: a group prompt's KV is held once while its
+    siblings run on it (pinned: not evictable in use) and a prefix is evicted from its tail
+    (its head still serves). False: every running request holds its whole prompt and a
+    prefix is evicted whole — the model the shipped workloads were validated with. The
+    per-request model only (``vector`` runs need False)."""
 
     def __post_init__(self) -> None:
         owner = "RolloutSpec."
@@ -232,6 +242,7 @@ class RolloutSpec:
         _positive(owner, new_token_ratio_decay_steps=self.new_token_ratio_decay_steps)
         _non_negative(owner, clip_max_new_tokens=self.clip_max_new_tokens)
         _non_negative(owner, retract_decode_steps=self.retract_decode_steps)
+        _positive(owner, cache_block_tokens=self.cache_block_tokens)
         _fraction(owner, new_token_ratio=self.new_token_ratio)
         _fraction(owner, min_new_token_ratio=self.min_new_token_ratio)
         if self.min_new_token_ratio > self.new_token_ratio:

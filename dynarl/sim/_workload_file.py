@@ -119,7 +119,12 @@ _SECTIONS: dict[str, type[Any]] = {
 }
 _TOP = tuple(f.name for f in fields(Workload) if f.name not in _SECTIONS)
 """Top-level keys: ``name``, ``kind``, ``seed``, the iteration counts, ``notes``."""
-_WRITTEN_WHEN_SET = {("scheduler", "num_loss_iterations"), ("scheduler", "release_error_fraction")}
+_WRITTEN_WHEN_SET = {
+    ("scheduler", "num_loss_iterations"),
+    ("scheduler", "release_error_fraction"),
+    ("rollout", "cache_block_tokens"),
+    ("rollout", "shared_prefix"),
+}
 """Keys added after the shipped files were written: :func:`dump_workload` writes them only
 when they differ from their default, so those files still round-trip byte for byte."""
 

@@ -149,3 +149,30 @@ def test_evicting_a_cached_context_rekeys_the_waiting_turn() -> None:
 
 def _fields(spec: RolloutSpec) -> dict[str, object]:
     return {name: getattr(spec, name) for name in spec.__dataclass_fields__}
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_siblings_share_a_cached_prompt_and_eviction_keeps_a_prefix_head(shared: bool) -> None:
+    spec = RolloutSpec(
+        **{**_fields(SPEC), "kv_capacity_tokens": 3_000, "shared_prefix": shared,
+           "cache_block_tokens": 16, "new_token_ratio": 0.0, "min_new_token_ratio": 0.0}
+    )  # fmt: skip
+    loop, engine, done = _engine(spec)
+    engine.submit_many([_request(i, 50, prompt=1_000, group=7) for i in range(2)])
+    engine.advance(loop.now)
+    # The group's prompt is cached once prefilled; with sharing both siblings run on it.
+    assert engine.batch == 2
+    assert engine.kv_tokens == (1_000 if shared else 2_000)
+    loop.run(until=1e6, max_events=1000)
+    assert len(done) == 2 and engine.pinned_tokens == 0 and engine.shared_kv == 0
+    first = _request(5, 400, prompt=500)
+    first.cache_after = True
+    engine.submit(first)
+    loop.run(until=1e6, max_events=1000)
+    engine.submit(_request(6, 1_500, prompt=600))  # grows into the cached space
+    loop.run(until=1e6, max_events=10_000)
+    left = engine.cache.get((1, 0, 5), 0)
+    if shared:
+        assert 0 < left < 900 and (900 - left) % 16 == 0, "the tail went, in whole blocks"
+    else:
+        assert left == 0, "the validated model evicts a prefix whole"
