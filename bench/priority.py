@@ -32,11 +32,12 @@ the share predicted exactly, the mean error in tokens).
 
 **The simulator against the engine.** On the control server, before any policy run, a
 profiling pass (``bench/_vllm_profile.py``: decode step time by batch and KV, prefill
-speed) calibrates the simulator's engine model — vLLM's configuration as a
+speed, measured through a job as the policies drive the engine) calibrates the simulator's
+engine model — vLLM's configuration as a
 ``RolloutSpec``: the pressure run's KV less vLLM's null block, ``max_num_seqs``, no
 reserve for future tokens (vLLM allocates blocks as decoding goes), whole 128-token blocks
 reused from the prefix cache — which is frozen and named by its hash
-(``sim_model_digest``) before the policies run. ``dynarl.sim.replay_rollout`` then predicts
+(``sim.model_digest``) before the policies run. ``dynarl.sim.replay_rollout`` then predicts
 every policy's iteration time on the same trace (and the control's); the errors are
 reported per policy, and ``sim_gain_error`` is the predicted minus the measured gain of
 DynaRL's key over FIFO.
@@ -172,6 +173,20 @@ def server_config(model: Path, work: Path, kv_blocks: int | None) -> VLLMServerC
     )  # fmt: skip
 
 
+def rollout_job(server: VLLMServer, work: Path, policy: RequestPolicy, kv_blocks: int) -> Job:
+    """A job whose rollout is ``server`` behind the runtime's dispatcher: the queue held and
+    ordered by ``policy``, ``MAX_NUM_SEQS`` admitted, a shadow of ``kv_blocks`` blocks, the
+    scheduler observing only."""
+    setup = EngineSetup(urls={"0": server.url}, max_num_seqs=MAX_NUM_SEQS, ignore_eos=True)
+    spec = ComponentSpec(
+        role=EngineRollout, devices=(0,), options=setup.to_options(),
+        max_inflight=MAX_NUM_SEQS, request_policy=policy, max_overtakes=MAX_OVERTAKES,
+        prefix_cache=PrefixCache(block_size=BLOCK, capacity_blocks=kv_blocks),
+    )  # fmt: skip
+    runtime = RuntimeConfig(scheduler=SchedulerConfig(observe_only=True))
+    return Job([spec], JobConfig(num_devices=1, run_dir=str(work), runtime=runtime))
+
+
 async def replay_on(
     server: VLLMServer,
     work: Path,
@@ -191,15 +206,8 @@ async def replay_on(
                 peak[0] = max(peak[0], (await client.load()).kv_cache_usage)
                 await asyncio.sleep(0.05)
 
-        setup = EngineSetup(urls={"0": server.url}, max_num_seqs=MAX_NUM_SEQS, ignore_eos=True)
-        spec = ComponentSpec(
-            role=EngineRollout, devices=(0,), options=setup.to_options(),
-            max_inflight=MAX_NUM_SEQS, request_policy=policy, max_overtakes=MAX_OVERTAKES,
-            prefix_cache=PrefixCache(block_size=BLOCK, capacity_blocks=kv_blocks),
-        )  # fmt: skip
-        runtime = RuntimeConfig(scheduler=SchedulerConfig(observe_only=True))
-        job_config = JobConfig(num_devices=1, run_dir=str(work), runtime=runtime)
-        async with Job([spec], job_config) as job, asyncio.TaskGroup() as group:
+        job = rollout_job(server, work, policy, kv_blocks)
+        async with job, asyncio.TaskGroup() as group:
             poller = group.create_task(poll())
             try:
                 report = await replay_trace(job, it, vocab=VOCAB)
@@ -232,7 +240,8 @@ async def all_runs(
     async with VLLMServer(server_config(model, work / "control", None)) as server:
         ample = AMPLE_BLOCKS
         control = await replay_on(server, work / "control" / "run", FifoPolicy(), it, ample)
-        profile = await profile_engine(server.url, vocab=VOCAB)
+        async with rollout_job(server, work / "profile", FifoPolicy(), ample) as job:
+            profile = await profile_engine(job, vocab=VOCAB)
     spec = vllm_spec(profile, kv_blocks)
     print(f"simulator model frozen before the policy runs: {spec_digest(spec)}", flush=True)
     runs: dict[str, list[Run]] = {name: [] for name in POLICIES}

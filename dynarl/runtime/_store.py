@@ -39,10 +39,26 @@ def host_store(host: str, port: int, *, timeout_s: float, multi_tenant: bool = F
         listener.bind(address)
         listener.listen(_BACKLOG)
         bound = int(listener.getsockname()[1])
-        # The store owns a duplicate; this socket closes on leaving. Should the store
-        # refuse it, the duplicate is not closed here: whether torch closed it is unknown.
+        # The store owns a duplicate; this socket closes on leaving.
         fd = os.dup(listener.fileno())
-    return TCPStore(
-        host, bound, is_master=True, wait_for_workers=False, multi_tenant=multi_tenant,
-        timeout=timedelta(seconds=timeout_s), master_listen_fd=fd,
-    )  # fmt: skip
+    try:
+        return TCPStore(
+            host, bound, is_master=True, wait_for_workers=False, multi_tenant=multi_tenant,
+            timeout=timedelta(seconds=timeout_s), master_listen_fd=fd,
+        )  # fmt: skip
+    except BaseException:
+        _close_if_listening(fd, bound)
+        raise
+
+
+def _close_if_listening(fd: int, port: int) -> None:
+    """Close ``fd`` when it is still the socket listening on ``port`` (a store that refused
+    it may or may not have closed it; a closed number may already name another file)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return  # closed already
+    if sock.getsockname()[1] == port:
+        sock.close()
+    else:
+        sock.detach()

@@ -2,9 +2,9 @@
 the static run's within a stated statistical tolerance (issue 6 point 5, last clause).
 
 The same small job (the calculator task, two worker processes, ``deterministic=False``:
-decoding is not batch-invariant, so the runs are not bitwise equal) runs under the static split and under dynarl with a scheduler
-that moves devices mid-rollout. Their manifests (sample ids, update order) still match;
-rewards: the mean prompt-group reward over every step, |Δ| ≤ 3·SE + 0.02; losses: the
+decoding is not batch-invariant, so the runs are not bitwise equal) runs under the static
+split and under dynarl with a scheduler that moves devices mid-rollout. Their manifests
+(sample ids, update order) still match; rewards: the mean prompt-group reward over every step, |Δ| ≤ 3·SE + 0.02; losses: the
 per-step losses, |Δ| ≤ 3·SE (no margin) — ``dynarl.backends.reference.compare_curves``.
 """
 
@@ -17,10 +17,12 @@ import pytest
 from reference_support import SMALL_JOB, eager, shared_cache
 
 from dynarl.demo._device_schedules import RunPlan, Schedule
-from dynarl.demo._tolerance import compare_curves, group_means
 from dynarl.demo._experiment import RunResult, prepare_setup, run_plan
+from dynarl.demo._tolerance import compare_curves, group_means
 
-pytestmark = pytest.mark.dist
+# A statistical sanity check beside the deterministic job's bitwise one
+# (tests/dist/test_reference_job.py): `make test-slow`.
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 # The hybrid test's job (same warm start), synchronous, with a scheduler that moves as
 # soon as it can.

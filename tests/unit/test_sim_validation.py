@@ -207,6 +207,7 @@ def test_agentic_32b_64gpu_dynarl_never_loses_to_the_best_static_policy() -> Non
         ), policy
 
 
+@pytest.mark.slow
 def test_agentic_32b_128gpu_dynarl_never_loses_to_the_best_static_policy() -> None:
     workload = "agentic-32b-128gpu"
     assert result(workload, "dynarl").throughput >= NEVER_WORSE * best_static(workload)
