@@ -7,7 +7,8 @@ fresh prompt tokens run together to ``N1`` and, again with fresh prompts, to ``N
 tokens (EOS ignored); the difference of the two wall times over ``N2 - N1`` is one decode
 step of batch ``b`` holding on average ``b * (L + (N1 + N2) / 2)`` KV tokens (prefill and
 dispatch cancel). Prefill: one request of ``P`` fresh tokens generating one token, minus
-one of 16 tokens: the seconds ``P - 16`` tokens of prefill add. Every figure is the median
+one of 16 tokens: the seconds ``P - 16`` tokens of prefill add; that one's wall time is the
+round trip (submission to output) every turn pays. Every figure is the median
 of ``REPEATS`` tries; fresh prompts never hit the prefix cache. Used by
 ``bench/priority.py``; not a benchmark on its own.
 """
@@ -56,7 +57,7 @@ async def profile_engine(job: Job, *, vocab: int, seed: int = 1000) -> EnginePro
         return (await replay_trace(job, trace, vocab=vocab, seed=run)).wall_s
 
     await seconds(1, BASE_PROMPT, 4)  # warm-up
-    decode, prefill = [], []
+    decode, prefill, trips = [], [], []
     for batch, length in itertools.product(BATCHES, CONTEXTS):
         steps = []
         for _ in range(REPEATS):
@@ -68,6 +69,9 @@ async def profile_engine(job: Job, *, vocab: int, seed: int = 1000) -> EnginePro
         extra = []
         for _ in range(REPEATS):
             base = await seconds(1, BASE_PROMPT, 1)
+            trips.append(base)
             extra.append(await seconds(1, tokens, 1) - base)
         prefill.append(PrefillPoint(tokens=tokens - BASE_PROMPT, seconds=statistics.median(extra)))
-    return EngineProfile(decode=tuple(decode), prefill=tuple(prefill))
+    return EngineProfile(
+        decode=tuple(decode), prefill=tuple(prefill), round_trip_s=statistics.median(trips)
+    )

@@ -6,9 +6,10 @@ prefill points — seconds to prefill a prompt of some length, against a baselin
 generated one token less. :meth:`EngineProfile.fit` turns them into a
 :class:`~dynarl.sim.RolloutSpec`: the step curve ``t0 + c_seq·b + c_kv·KV`` by least squares
 (a coefficient the data drives negative is dropped and the rest refitted), the prefill speed
-as the slope of seconds over tokens. :func:`spec_digest` names the frozen result, so a run
-can show that its predictions came from a model fixed before any measurement they are
-compared with.
+as the slope of seconds over tokens, and the serving stack's round trip per request (what a
+one-token request takes beyond one decode step). :func:`spec_digest` names the frozen
+result, so a run can show that its predictions came from a model fixed before any
+measurement they are compared with.
 
 :func:`replay_rollout` runs one iteration's trace alone on a workload's rollout engines —
 every episode, turns, tool waits and the prefix cache as in a full simulation — with a given
@@ -73,6 +74,9 @@ class EngineProfile:
     """At least three, at two batch sizes or more."""
     prefill: tuple[PrefillPoint, ...]
     """At least two, at two prompt lengths or more."""
+    round_trip_s: float = 0.0
+    """Seconds from submitting a one-token request with a tiny prompt to its output, as the
+    caller sees it (0: not measured)."""
 
     def __post_init__(self) -> None:
         if len(self.decode) < 3 or len({p.batch for p in self.decode}) < 2:
@@ -81,6 +85,8 @@ class EngineProfile:
             raise ValueError("EngineProfile needs >= 2 prefill points at >= 2 prompt lengths")
         if any(p.step_s <= 0 or p.batch < 1 or p.kv_tokens < 0 for p in self.decode):
             raise ValueError("decode points need step_s > 0, batch >= 1, kv_tokens >= 0")
+        if self.round_trip_s < 0:
+            raise ValueError(f"round_trip_s must be >= 0, got {self.round_trip_s}")
 
     def step_coefficients(self) -> tuple[float, float, float]:
         """``(t0, c_seq, c_kv)`` of the decode step, each >= 0 (``t0`` > 0)."""
@@ -113,12 +119,14 @@ class EngineProfile:
         """``base`` (capacity, admission, cache granularity: the engine's configuration) with
         the step curve and the prefill speed measured here."""
         t0, c_seq, c_kv = self.step_coefficients()
+        speed = self.prefill_tokens_per_s()
         return replace(
             base,
             step_fixed_s=t0,
             step_per_seq_s=c_seq,
             step_per_kv_token_s=c_kv,
-            prefill_tokens_per_s=self.prefill_tokens_per_s(),
+            prefill_tokens_per_s=speed,
+            request_overhead_s=max(0.0, self.round_trip_s - t0 - c_seq - c_kv),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -126,6 +134,7 @@ class EngineProfile:
         return {
             "decode": [asdict(p) for p in self.decode],
             "prefill": [asdict(p) for p in self.prefill],
+            "round_trip_s": self.round_trip_s,
         }
 
 

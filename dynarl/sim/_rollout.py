@@ -247,10 +247,16 @@ class Rollout:
     def _finished(self, engine: Engine, req: SimRequest) -> None:
         trace = self.traces[req.iteration]
         t = int(trace.turn_start[req.sample]) + req.turn
+        trip = self.spec.request_overhead_s  # the output reaches the caller this much later
         if t + 1 < int(trace.turn_start[req.sample + 1]):
-            latency = float(trace.tool_latency[t])
+            latency = float(trace.tool_latency[t]) + trip
             self.loop.after(latency, lambda: self._next_turn(engine, req, trace, t))
-            return
+        elif trip:
+            self.loop.after(trip, lambda: self._sample_done(engine, req))
+        else:
+            self._sample_done(engine, req)
+
+    def _sample_done(self, engine: Engine, req: SimRequest) -> None:
         self.unfinished -= 1
         self._done_by_engine[engine.index] += 1
         self.on_sample_done(req.iteration, req.sample)

@@ -224,6 +224,10 @@ class RolloutSpec:
     """Granularity of prefix reuse: a cached prefix serves whole blocks of this many tokens
     only (SGLang's radix cache: 1; vLLM caches full KV blocks, 128 tokens on its CPU
     backend). The per-request model only (``vector`` runs need 1)."""
+    request_overhead_s: float = 0.0
+    """Seconds a turn's output takes to reach its caller beyond the engine (the serving
+    stack's round trip: HTTP, the dispatcher, the bus), so its episode's next turn or end
+    comes this much later. 0: the caller sits beside the engine (the validated model)."""
     shared_prefix: bool = False
     """The prefix cache as the engines keep it: a group prompt's KV is held once while its
     siblings run on it (pinned: not evictable in use) and a prefix is evicted from its tail
@@ -243,6 +247,7 @@ class RolloutSpec:
         _non_negative(owner, clip_max_new_tokens=self.clip_max_new_tokens)
         _non_negative(owner, retract_decode_steps=self.retract_decode_steps)
         _positive(owner, cache_block_tokens=self.cache_block_tokens)
+        _non_negative(owner, request_overhead_s=self.request_overhead_s)
         _fraction(owner, new_token_ratio=self.new_token_ratio)
         _fraction(owner, min_new_token_ratio=self.min_new_token_ratio)
         if self.min_new_token_ratio > self.new_token_ratio:

@@ -78,8 +78,9 @@ class VectorRollout(EngineArrays):
             raise ValueError("the vector model covers single-turn (math) workloads")
         if not isinstance(policy(), FifoPolicy):
             raise ValueError("the vector model covers FIFO engine queues only")
-        if workload.rollout.cache_block_tokens != 1 or workload.rollout.shared_prefix:
-            raise ValueError("the vector model caches token by token, unshared: no prefix options")
+        rollout = workload.rollout
+        if rollout.cache_block_tokens != 1 or rollout.shared_prefix or rollout.request_overhead_s:
+            raise ValueError("the vector model has no prefix options and no request overhead")
         super().__init__(workload, loop)
         self.on_sample_done = on_sample_done
         self.on_samples_done = on_samples_done

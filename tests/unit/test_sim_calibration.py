@@ -134,3 +134,34 @@ def test_every_request_policy_finishes_the_trace_and_a_stuck_one_is_reported() -
         assert replay_rollout(w, TRACE, policy).iteration_s > 0  # type: ignore[arg-type]
     with pytest.raises(DynarlError, match="exceeded 10 events"):
         replay_rollout(w, TRACE, FifoPolicy(), max_events=10)  # type: ignore[arg-type]
+
+
+def test_a_round_trip_per_turn_delays_each_episode_by_its_turns() -> None:
+    one = dataclasses.replace(
+        TRACE, **{name: getattr(TRACE, name)[:1] for name in ("prompt", "group")},
+        turn_start=TRACE.turn_start[:2],
+    )  # fmt: skip
+    base = workload(kv_capacity_tokens=400_000)
+    trip = 0.25
+    slow = dataclasses.replace(
+        base,  # type: ignore[type-var]
+        rollout=dataclasses.replace(base.rollout, request_overhead_s=trip),  # type: ignore[attr-defined]
+    )
+    fast = replay_rollout(base, one, FifoPolicy())  # type: ignore[arg-type]
+    delayed = replay_rollout(slow, one, FifoPolicy())  # type: ignore[arg-type]
+    turns = int(one.num_turns[0])
+    assert turns > 1
+    assert delayed.iteration_s == pytest.approx(fast.iteration_s + trip * turns, abs=1e-6)
+    assert (
+        replay_rollout(slow, TRACE, FifoPolicy()).iteration_s
+        > replay_rollout(  # type: ignore[arg-type]
+            base,
+            TRACE,
+            FifoPolicy(),  # type: ignore[arg-type]
+        ).iteration_s
+    )
+    points = profile(0.004, 1e-4, 2e-7, 20000.0)
+    measured = dataclasses.replace(points, round_trip_s=0.0041 + 1e-4 + 0.3)
+    assert measured.fit(BASE).request_overhead_s == pytest.approx(0.3, abs=1e-3)
+    with pytest.raises(ValueError, match="round_trip_s"):
+        dataclasses.replace(points, round_trip_s=-1.0)
