@@ -66,6 +66,8 @@ def test_math_7b_64gpu_dynarl_beats_rlinf_rule_and_verl_hybrid() -> None:
     assert speedup("math-7b-64gpu", "dynarl", "verl-hybrid") > 1.0
 
 
+# ~75 s of simulation on two cores: `make test-slow` (make test's budget is 15 minutes).
+@pytest.mark.slow
 def test_agentic_priority_beats_plain_dynarl() -> None:
     assert speedup("agentic-32b-64gpu", "dynarl+priority", "dynarl") > 1.0
 
@@ -197,6 +199,8 @@ def best_static(workload: str) -> float:
     return max(result(workload, p).throughput for p in ("static-sequential", "static-split"))
 
 
+# ~75 s of simulation on two cores: `make test-slow` (make test's budget is 15 minutes).
+@pytest.mark.slow
 def test_agentic_32b_64gpu_dynarl_never_loses_to_the_best_static_policy() -> None:
     """The stranded trainer replica: a finished rollout that keeps one 4-GPU engine to the
     barrier leaves the TP-8 trainer 56 of the 64 GPUs (0.97x static-sequential); a
