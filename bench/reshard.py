@@ -75,16 +75,24 @@ REPS = int(os.environ.get("RESHARD_BENCH_REPS", "15"))
 HIDDEN, LAYERS, VOCAB, EXPERTS = 384, 4, 2048, 4
 
 
+def _attention(n: int) -> list[ParamSpec]:
+    """Layer ``n``'s norm and attention (the part the dense and MoE models share)."""
+    h = HIDDEN
+    return [
+        ParamSpec(name=f"layers.{n}.norm", shape=(h,), layer=n),
+        ParamSpec(name=f"layers.{n}.qkv.weight", shape=(3 * h, h), tp_dim=0, layer=n),
+        ParamSpec(name=f"layers.{n}.qkv.bias", shape=(3 * h,), tp_dim=0, layer=n),
+        ParamSpec(name=f"layers.{n}.proj.weight", shape=(h, h), tp_dim=1, layer=n),
+    ]
+
+
 def moe_model() -> list[ParamSpec]:
     """The GPT shape with each MLP replaced by a router and ``EXPERTS`` experts (ffn 2h)."""
     h = HIDDEN
     params = [ParamSpec(name="embedding", shape=(VOCAB, h), tp_dim=0, stage=Stage.FIRST)]
     for n in range(LAYERS):
         params += [
-            ParamSpec(name=f"layers.{n}.norm", shape=(h,), layer=n),
-            ParamSpec(name=f"layers.{n}.qkv.weight", shape=(3 * h, h), tp_dim=0, layer=n),
-            ParamSpec(name=f"layers.{n}.qkv.bias", shape=(3 * h,), tp_dim=0, layer=n),
-            ParamSpec(name=f"layers.{n}.proj.weight", shape=(h, h), tp_dim=1, layer=n),
+            *_attention(n),
             ParamSpec(name=f"layers.{n}.router.weight", shape=(EXPERTS, h), layer=n),
         ]
         for e in range(EXPERTS):
@@ -105,10 +113,7 @@ def model() -> list[ParamSpec]:
     params = [ParamSpec(name="embedding", shape=(VOCAB, h), tp_dim=0, stage=Stage.FIRST)]
     for n in range(LAYERS):
         params += [
-            ParamSpec(name=f"layers.{n}.norm", shape=(h,), layer=n),
-            ParamSpec(name=f"layers.{n}.qkv.weight", shape=(3 * h, h), tp_dim=0, layer=n),
-            ParamSpec(name=f"layers.{n}.qkv.bias", shape=(3 * h,), tp_dim=0, layer=n),
-            ParamSpec(name=f"layers.{n}.proj.weight", shape=(h, h), tp_dim=1, layer=n),
+            *_attention(n),
             ParamSpec(name=f"layers.{n}.fc1.weight", shape=(4 * h, h), tp_dim=0, layer=n),
             ParamSpec(name=f"layers.{n}.fc2.weight", shape=(h, 4 * h), tp_dim=1, layer=n),
         ]
