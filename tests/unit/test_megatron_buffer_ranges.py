@@ -24,6 +24,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from stub_group import StubGroup
 
 from dynarl.backends._cpu_compat import apply_cpu_shim
 from dynarl.migrate import BufferParam, LayoutSpec, ParamSpec, dp_buffer, dp_param_ranges
@@ -44,19 +45,6 @@ with warnings.catch_warnings():
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-
-class StubGroup:
-    """A data-parallel group of ``size`` ranks seen from ``rank``: only rank() and size()."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
 
 
 def megatron_buffer(

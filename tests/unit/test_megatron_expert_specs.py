@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from stub_group import StubGroup
 
 from dynarl.backends._cpu_compat import apply_cpu_shim
 from dynarl.migrate import LayoutSpec, param_names, param_specs, trainer_layout
@@ -35,19 +36,6 @@ with warnings.catch_warnings():
 
 EXPERTS = 4
 PREFIX = "decoder.layers.0.mlp.experts."
-
-
-class StubGroup:
-    """A group of ``size`` ranks seen from ``rank``: only rank() and size()."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
 
 
 class Wrapped(torch.nn.Module):
