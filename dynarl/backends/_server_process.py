@@ -40,6 +40,14 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
+_PORT_ATTEMPTS = 3
+
+
+def _port_taken(error: str) -> bool:
+    """Whether a start-up error's log tail says the server could not bind its port."""
+    return "address already in use" in error.lower()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on ``host``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -290,18 +298,35 @@ class ManagedServer:
     async def start(self) -> None:
         """Start the server and wait until its health probe answers.
 
+        A port this object picked that turns out taken is picked again (three tries in all).
         Raises BackendError naming the engine, with the log tail, if it exits or misses the
         deadline (it is stopped first); RuntimeError if already started.
         """
         if self._process is not None:
             raise RuntimeError(f"{self.engine} server already started")
         settings = self._settings
-        self.port = settings.port or free_port(settings.host)
+        # A port we picked can be taken between the pick and the server's bind (another
+        # process's ephemeral port): pick again. A port the caller named is not retried.
+        attempts = 1 if settings.port else _PORT_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            try:
+                await self._start_on(settings.port or free_port(settings.host))
+                return
+            except BackendError as exc:
+                if attempt == attempts or not _port_taken(str(exc)):
+                    raise
+                logger.warning(
+                    "%s server port %s was taken; picking another", self.engine, self.port
+                )
+
+    async def _start_on(self, port: int) -> None:
+        settings = self._settings
+        self.port = port
         self._process = ServerProcess(
-            self.engine, log_path=self._log_file(self.port), stop_timeout_s=settings.stop_timeout_s
+            self.engine, log_path=self._log_file(port), stop_timeout_s=settings.stop_timeout_s
         )
         try:
-            await self._process.start(self._command(self.port), self._env(), cpus=settings.cpus)
+            await self._process.start(self._command(port), self._env(), cpus=settings.cpus)
             async with self._probe() as probe:
                 await self._process.wait_healthy(
                     probe.health,

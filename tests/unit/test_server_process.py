@@ -4,17 +4,23 @@ process group stops with it, and a server whose parent dies is told to stop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
 
-from dynarl.backends._server_process import ServerProcess
+from dynarl.backends import _server_process
+from dynarl.backends._server_process import ManagedServer, ServerProcess, free_port
 from dynarl.errors import BackendError
 
 WAIT_S = 60.0
@@ -135,3 +141,77 @@ def test_it_says_how_a_server_ended_on_its_own(tmp_path: Path) -> None:
     failing = [sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(7)"]
     assert asyncio.run(ended(sleeper, kill=True)) == [None, "killed by SIGKILL", None]
     assert asyncio.run(ended(failing, kill=False)) == [None, "exited with status 7", None]
+
+
+_LISTENER = """
+import socket, sys, time
+sock = socket.socket()
+sock.bind(("127.0.0.1", int(sys.argv[1])))  # fails with EADDRINUSE when the port is taken
+sock.listen()
+print("listening", flush=True)
+time.sleep(600)
+"""
+
+
+@dataclass(frozen=True)
+class _Settings:
+    port: int | None = None
+    host: str = "127.0.0.1"
+    startup_timeout_s: float = WAIT_S
+    health_poll_s: float = 0.05
+    stop_timeout_s: float = 5.0
+    cpus: tuple[int, ...] = ()
+
+
+class _Listener(ManagedServer):
+    """A server that only binds its port: healthy once it says it listens."""
+
+    engine = "Listener"
+
+    def __init__(self, settings: _Settings, log: Path) -> None:
+        super().__init__(settings)
+        self._log = log
+
+    def _command(self, port: int) -> list[str]:
+        return [sys.executable, "-c", _LISTENER, str(port)]
+
+    def _env(self) -> dict[str, str]:
+        return {}
+
+    def _log_file(self, port: int) -> str:
+        return str(self._log)
+
+    @contextlib.asynccontextmanager
+    async def _probe(self) -> AsyncIterator[SimpleNamespace]:
+        async def health() -> bool:  # the log, not the port: another socket may hold it
+            return self._log.exists() and "listening" in self._log.read_text()
+
+        yield SimpleNamespace(health=health)
+
+
+def test_a_port_taken_before_the_server_binds_it_is_replaced_by_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks = iter([busy])
+        monkeypatch.setattr(
+            _server_process, "free_port", lambda host: next(picks, None) or free_port(host)
+        )
+
+        async def main() -> int | None:
+            async with _Listener(_Settings(), tmp_path / "log") as server:
+                return server.port
+
+        port = asyncio.run(main())
+        assert port is not None and port != busy
+        assert "already in use" in (tmp_path / "log").read_text()
+
+        async def named() -> None:
+            async with _Listener(_Settings(port=busy), tmp_path / "named.log"):
+                pass
+
+        with pytest.raises(BackendError, match="Address already in use"):
+            asyncio.run(named())
