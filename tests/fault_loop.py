@@ -14,7 +14,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from dynarl.runtime.durable._journal import read_journal
 from dynarl.runtime.durable._journal_records import StepCompleted
 from dynarl.runtime.durable._manifest import step_digests
 from dynarl.runtime.durable._source import SampleSource, SourceConfig, Ticket
+from dynarl.runtime.launch import WorkerLauncher
 from dynarl.sched import SchedulerConfig
 from dynarl.testing import ScriptedRollout, TinyTrainer, scripted_token
 from dynarl.types import Allocation, MigrationKind
@@ -82,14 +83,22 @@ def runtime(faults: Sequence[Fault] = ()) -> RuntimeConfig:
 
 
 def job(
-    run_dir: Path, *, trainer: MigrationKind = MigrationKind.P2P, faults: Sequence[Fault] = ()
+    run_dir: Path,
+    *,
+    trainer: MigrationKind = MigrationKind.P2P,
+    faults: Sequence[Fault] = (),
+    config: RuntimeConfig | None = None,
+    launcher: WorkerLauncher | None = None,
 ) -> Job:
+    """The loop's job (``config`` default: :func:`runtime` with ``faults``; ``launcher``
+    default: the local one)."""
     specs = [
         ComponentSpec(role=ScriptedRollout, devices=(0, 1), options={"tokens_per_s": 60.0}),
         ComponentSpec(role=TinyTrainer, devices=(2,), options=TRAINER, migration=trainer),
     ]
-    config = JobConfig(run_dir=str(run_dir), runtime=runtime(faults), durable=True)
-    return Job(specs, config)
+    settings = config if config is not None else runtime(faults)
+    job_config = JobConfig(run_dir=str(run_dir), runtime=settings, durable=True)
+    return Job(specs, job_config, launcher=launcher)
 
 
 def durable(job: Job) -> DurableRun:
@@ -126,6 +135,61 @@ async def checksum(job: Job) -> str:
     sums = {str(r.values["checksum"]) for r in await job.call("trainer", "checksum")}
     assert len(sums) == 1, sums
     return sums.pop()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Case:
+    """One fault, and the outcome it must produce (``expected`` None: any of
+    :data:`OUTCOMES`, the invariants checked all the same)."""
+
+    name: str
+    fault: Fault
+    target: Allocation
+    expected: str | None
+
+
+async def run_case(
+    job: Job,
+    run: DurableRun,
+    case: Case,
+    *,
+    after: Callable[[Case], Awaitable[None]] | None = None,
+) -> tuple[str, str]:
+    """Inject ``case``'s fault into a move during a step; (the outcome it produced, the
+    move's reason). ``after`` runs once the move ended, before recovery (a cut link is
+    restored there)."""
+    base = job.allocation
+    tickets = submit(job, run)
+    await asyncio.sleep(0.2)  # generations in flight on both engines
+    before = await checksum(job)
+    job.faults.arm(case.fault)
+    outcome = await job.reallocate(case.target)
+    assert job.faults.fired and job.faults.fired[-1] == case.fault, "the fault never fired"
+    if after is not None:
+        await after(case)
+    recovery = await run.recover(outcome)
+    samples = await collect(job, tickets)
+    if recovery.restore_needed:
+        saved = run.checkpoint
+        assert saved is not None
+        await run.restore()
+        checksum_saved = run.store.manifest(saved).metadata["trainer.checksum"]
+        assert run.checksums["trainer"] == checksum_saved == await checksum(job)
+        assert run.source.cursor == saved.cursor and run.step == saved.steps_done
+        result = "restore"
+    else:
+        assert await checksum(job) == before, "the trainer's state changed"
+        assert job.allocation in (base, case.target), job.allocation
+        result = "old" if job.allocation == base else "new"
+        assert outcome.ok == (result == "new") or case.fault.phase.endswith("commit")
+        await run.train(samples)
+    if job.allocation != base:
+        back = await job.reallocate(base)
+        assert back.ok, back.reason
+    logger.warning(
+        "FAULT-TABLE | %s | %s | %s | %s", case.name, case.fault.phase, result, outcome.reason
+    )
+    return result, outcome.reason
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -9,6 +9,8 @@ which applies the first armed :class:`Fault` for the phase:
 - ``stall``: the step waits, on the migration's clock, until its lease has lapsed, so it
   is refused (instantly in virtual time);
 - ``kill``: the worker of ``device`` is sent SIGKILL, then the step runs;
+- ``cut``: the network link of ``device``'s host goes down (through the :attr:`FaultInjector.cut`
+  hook a multi-host test sets), then the step runs: the worker lives on, unreachable;
 - ``kill_controller``: this process (the controller) is sent SIGKILL (a restart test);
 - ``drop`` / ``duplicate`` / ``reorder``: faults of the step's control messages, applied
   by the migrations that send one message per rank and step (P2P): the message to
@@ -45,6 +47,7 @@ class FaultAction(enum.StrEnum):
     FAIL = "fail"
     STALL = "stall"
     KILL = "kill"
+    CUT = "cut"
     KILL_CONTROLLER = "kill_controller"
     DROP = "drop"
     DUPLICATE = "duplicate"
@@ -64,8 +67,8 @@ class Fault:
     action: FaultAction = FaultAction.FAIL
     """What happens."""
     device: int | None = None
-    """The worker to kill (``kill``), or whose message is dropped (``drop``; None: the
-    first rank)."""
+    """The worker to kill (``kill``), whose host's link is cut (``cut``), or whose message
+    is dropped (``drop``; None: the first rank)."""
     times: int = 1
     """How many times it fires."""
 
@@ -73,8 +76,8 @@ class Fault:
         kind, dot, step = self.phase.partition(".")
         if not dot or not kind or not step:
             raise ValueError(f"Fault.phase must be '<kind>.<step>', got {self.phase!r}")
-        if self.action is FaultAction.KILL and self.device is None:
-            raise ValueError("a kill fault needs a device")
+        if self.action in (FaultAction.KILL, FaultAction.CUT) and self.device is None:
+            raise ValueError(f"a {self.action} fault needs a device")
         if self.times < 1:
             raise ValueError(f"Fault.times must be >= 1, got {self.times}")
 
@@ -89,10 +92,17 @@ class FaultInjector:
     """Armed faults, applied by phase (see the module docstring)."""
 
     def __init__(
-        self, faults: Iterable[Fault] = (), *, kill: Callable[[int], None] | None = None
+        self,
+        faults: Iterable[Fault] = (),
+        *,
+        kill: Callable[[int], None] | None = None,
+        cut: Callable[[int], None] | None = None,
     ) -> None:
         self._armed: list[_Armed] = []
         self._kill = kill
+        self.cut = cut
+        """Takes down the link of a device's host (``cut`` faults); a multi-host test sets
+        it."""
         self.fired: list[Fault] = []
         """Faults applied so far, in order."""
         for fault in faults:
@@ -124,6 +134,11 @@ class FaultInjector:
                         raise InjectedFault(f"cannot kill at {phase}: no launcher")
                     assert fault.device is not None
                     self._kill(fault.device)
+                case FaultAction.CUT:
+                    if self.cut is None:
+                        raise InjectedFault(f"cannot cut a link at {phase}: no network hook")
+                    assert fault.device is not None
+                    self.cut(fault.device)
                 case FaultAction.KILL_CONTROLLER:
                     logging.shutdown()  # what was logged so far reaches the log files
                     os.kill(os.getpid(), signal.SIGKILL)

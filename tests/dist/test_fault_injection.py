@@ -29,16 +29,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import fault_loop
 import psutil
 import pytest
+from fault_loop import Case
 
-from dynarl.runtime._durable_run import DurableRun
 from dynarl.runtime._faults import Fault, FaultAction
-from dynarl.runtime import Job
 from dynarl.types import Allocation, MigrationKind
 
 pytestmark = pytest.mark.dist
@@ -54,16 +52,6 @@ PHASES = {  # the issue's prepare / transfer / commit, per migration kind
     "p2p": {"prepare": "prepare", "transfer": "transfer", "commit": "commit"},
     "reboot": {"prepare": "save", "transfer": "restart", "commit": "commit"},
 }
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Case:
-    """One fault, and the outcome it must produce."""
-
-    name: str
-    fault: Fault
-    target: Allocation
-    expected: str
 
 
 def kill(kind: str, phase: str, device: int, expected: str) -> Case:
@@ -119,40 +107,6 @@ MESSAGES = [
 ]
 
 
-async def run_case(job: Job, run: DurableRun, case: Case) -> str:
-    """Inject ``case``'s fault into a move during a step; the outcome it produced."""
-    base = job.allocation
-    tickets = fault_loop.submit(job, run)
-    await asyncio.sleep(0.2)  # generations in flight on both engines
-    before = await fault_loop.checksum(job)
-    job.faults.arm(case.fault)
-    outcome = await job.reallocate(case.target)
-    assert job.faults.fired and job.faults.fired[-1] == case.fault, "the fault never fired"
-    recovery = await run.recover(outcome)
-    samples = await fault_loop.collect(job, tickets)
-    if recovery.restore_needed:
-        checkpoint = run.checkpoint
-        assert checkpoint is not None
-        await run.restore()
-        saved = run.store.manifest(checkpoint).metadata["trainer.checksum"]
-        assert run.checksums["trainer"] == saved == await fault_loop.checksum(job)
-        assert run.source.cursor == checkpoint.cursor and run.step == checkpoint.steps_done
-        result = "restore"
-    else:
-        assert await fault_loop.checksum(job) == before, "the trainer's state changed"
-        assert job.allocation in (base, case.target), job.allocation
-        result = "old" if job.allocation == base else "new"
-        assert outcome.ok == (result == "new") or case.fault.phase.endswith("commit")
-        await run.train(samples)
-    if job.allocation != base:
-        back = await job.reallocate(base)
-        assert back.ok, back.reason
-    logger.warning(
-        "FAULT-TABLE | %s | %s | %s | %s", case.name, case.fault.phase, result, outcome.reason
-    )
-    return result
-
-
 def run_cases(tmp_path: Path, kind: MigrationKind, cases: list[Case]) -> None:
     trainer = MigrationKind.REBOOT if kind is MigrationKind.REBOOT else MigrationKind.P2P
     outcomes: dict[str, str] = {}
@@ -162,7 +116,7 @@ def run_cases(tmp_path: Path, kind: MigrationKind, cases: list[Case]) -> None:
             run = await fault_loop.durable(job).open()
             await fault_loop.step(job, run)
             for case in cases:
-                outcomes[case.name] = await run_case(job, run, case)
+                outcomes[case.name], _ = await fault_loop.run_case(job, run, case)
             while run.step < len(cases) + 2:
                 await fault_loop.step(job, run)
             assert job.allocation == BASE

@@ -73,6 +73,16 @@ def test_workers_carry_their_cores_on_the_command_line() -> None:
         WorkerOptions(controller="x", device=0, cpus=(1, 1))
 
 
+def test_workers_carry_their_curve_keys_on_the_command_line() -> None:
+    keyed = WorkerOptions(controller="x", device=2, key_file="w.sec", server_key_file="c.key")
+    assert WorkerOptions.from_args(keyed.to_args()) == keyed
+    assert "--key-file=w.sec" in keyed.to_args()
+    plain = WorkerOptions(controller="x", device=2)
+    assert not any(arg.startswith("--key-file") for arg in plain.to_args())
+    with pytest.raises(ValueError, match="key_file and server_key_file go together"):
+        WorkerOptions(controller="x", device=0, key_file="w.key_secret")
+
+
 _STAT = """cpu  100 0 50 900 10 0 0 0 0 0
 cpu0 60 0 20 400 5 0 0 0 0 0
 cpu1 40 5 30 500 5 1 2 3 0 0

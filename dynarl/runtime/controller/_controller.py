@@ -172,6 +172,8 @@ class Controller(AsyncResource):
                 report=self._on_report,
                 output=self._sink(spec),
                 run_dir=self.run_dir,
+                bind=f"{self._bind.rpartition(':')[0]}:0",  # the bus's host, any port
+                curve=self._curve,
             )
             for name, spec in self.specs.items()
         }

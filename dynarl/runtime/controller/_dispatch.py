@@ -355,13 +355,19 @@ class Dispatcher:
 
     async def resume(self, workers: Sequence[int]) -> None:
         """Undo a move before commit: reactivate released roles, route to them again
-        (a worker lost meanwhile stays out)."""
+        (a worker lost meanwhile stays out) and route the items its drain left behind."""
+        # Items that failed on a draining worker wait for the redispatch step; a move
+        # undone before it (its drain failed) routes them now.
+        stranded = [i for w in workers for i in self._drained.pop(w, []) if i in self._items]
         workers = [w for w in workers if not self._is_lost(w)]
         again = [w for w in workers if w in self._released]
         if again:
             await self._roles.activate(again)
         for worker in workers:
             self.add_worker(worker)
+        for item_id in stranded:
+            self._items[item_id].continue_elsewhere()
+        self._route(stranded)
         self._pump()
 
 

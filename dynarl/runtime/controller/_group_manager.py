@@ -29,7 +29,16 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from dynarl.bus import BusConfig, BusServer, ComponentReport, MetaValue, Peer, Sample, WorkerMetrics
+from dynarl.bus import (
+    BusConfig,
+    BusServer,
+    ComponentReport,
+    CurveServer,
+    MetaValue,
+    Peer,
+    Sample,
+    WorkerMetrics,
+)
 from dynarl.errors import BusError, MigrationError
 from dynarl.runtime._spec import ComponentSpec, RuntimeConfig
 from dynarl.runtime._worker_protocol import (
@@ -76,12 +85,16 @@ class GroupManager:
         report: Callable[[ComponentReport], None],
         output: Sink,
         run_dir: Path,
+        bind: str = "tcp://127.0.0.1:0",
+        curve: CurveServer | None = None,
     ) -> None:
+        """``bind``/``curve``: where the metrics endpoint listens, and its CURVE settings
+        (the controller's host, any port: workers on other hosts report there too)."""
         self.spec, self.name = spec, spec.name
         self._link, self._config, self._clock, self._report = link, config, clock, report
         self._run_dir = run_dir
         self._path = role_path(spec.role)
-        self.endpoint = BusServer(name=f"manager/{spec.name}", config=bus)
+        self.endpoint = BusServer(bind, name=f"manager/{spec.name}", config=bus, curve=curve)
         self.endpoint.route(WorkerMetrics, self._collect)
         self.lock = asyncio.Lock()
         """Held by user calls and by migrations of this component."""

@@ -49,9 +49,13 @@ _NO_RESTORE = (
 )
 
 
+_TAKE_OUT = (FaultAction.KILL, FaultAction.CUT)
+
+
 def num_kills(faults: FaultInjector, device: int) -> int:
-    """Kills the fault injector fired at ``device`` so far."""
-    return sum(1 for f in faults.fired if f.action is FaultAction.KILL and f.device == device)
+    """Faults that took ``device``'s worker out so far: kills, and cuts of its host's link
+    (a cut worker misses the controller's heartbeats and leaves by itself)."""
+    return sum(1 for f in faults.fired if f.action in _TAKE_OUT and f.device == device)
 
 
 class LossHandler:
@@ -109,7 +113,9 @@ class LossHandler:
         if cause is None and heard:
             return None  # it runs, and the bus still hears it
         if num_kills(self._faults, device) > worker.kills:
-            logger.info("worker %d was killed by the fault injector: left to its migration", device)
+            logger.info(
+                "worker %d was taken out by the fault injector: left to its migration", device
+            )
             self._losses.ignore(device)
             return None
         holder = next(

@@ -120,7 +120,7 @@ class LocalLauncher(AsyncResource):
         old = self._procs.get(device)
         if old is not None and old.poll() is None:
             raise WorkerError(f"worker {device} is already running (pid {old.pid})")
-        command = [self.python, "-m", "dynarl.runtime.worker", *options.to_args()]
+        command = self.command(options)
         out: IO[bytes] | int = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -131,6 +131,11 @@ class LocalLauncher(AsyncResource):
         self._procs[device] = proc
         logger.info("launched worker %d (pid %d)", device, proc.pid)
         return proc.pid
+
+    def command(self, options: WorkerOptions) -> list[str]:
+        """The command line of ``options.device``'s worker (a subclass may wrap it, e.g. to
+        run it on another host or in another network namespace)."""
+        return [self.python, "-m", "dynarl.runtime.worker", *options.to_args()]
 
     def pids(self) -> dict[int, int]:
         """``{device: pid}`` of the workers started here that are still running."""

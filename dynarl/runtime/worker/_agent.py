@@ -18,6 +18,12 @@ controller is lost, or when the active role's engine died
 its engine serves nothing, so it leaves, the controller sees the worker gone and its
 in-flight requests continue elsewhere (the one that met the dead engine gets no reply:
 it fails at the controller with the worker's loss, not counted against the item).
+
+A worker that lost its controller closes its roles as usual, but with a deadline: behind a
+network partition a close that touches the job's store or a peer (a group's rendezvous
+key, a collective) would wait on TCP for many minutes. After ``collective_timeout_s`` the
+process exits with status 1 whatever is still running: nothing it holds can reach the job
+any more.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import os
 import signal
 import threading
 import time
@@ -131,6 +138,19 @@ class WorkerAgent:
         logger.error("worker %d: controller lost; leaving", self.device)
         self._lost = True
         self._stop.set()
+        grace_s = self.options.collective_timeout_s
+        watchdog = threading.Timer(grace_s, self._exit_unclosed, args=(grace_s,))
+        watchdog.daemon = True
+        watchdog.start()
+
+    def _exit_unclosed(self, grace_s: float) -> None:
+        """The close after a lost controller did not end in ``grace_s``: exit now."""
+        logger.error(
+            "worker %d: closing did not end %.1f s after the controller was lost (a store or "
+            "peer behind a partition); exiting", self.device, grace_s,
+        )  # fmt: skip
+        logging.shutdown()
+        os._exit(1)
 
     def _leave_without_engine(self, exc: EngineLostError) -> None:
         if self._engine_lost is None:
@@ -294,6 +314,7 @@ class WorkerAgent:
             address = self._host.manager(active) if active is not None else ""
             if active is None or not address:
                 continue
+            address = reachable(address, via=self.options.controller)
             role = self._host.role(active)
             if isinstance(role, Reporting):
                 figures = role.metrics()
@@ -334,6 +355,21 @@ class WorkerAgent:
             _, client = self._metrics
             self._metrics = None
             await client.aclose()
+
+
+_WILDCARDS = ("0.0.0.0", "*", "[::]", "::")
+
+
+def reachable(address: str, *, via: str) -> str:
+    """``address`` as this worker can reach it: an endpoint the controller bound on every
+    interface (``tcp://0.0.0.0:P``) is at the host this worker reaches the controller on
+    (``via``); any other address is returned as it is."""
+    scheme, _, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    if host not in _WILDCARDS:
+        return address
+    via_host = via.partition("://")[2].rpartition(":")[0]
+    return f"{scheme}://{via_host}:{port}"
 
 
 def _worker_metrics(component: str, device: int, span: float, m: RoleMetrics) -> WorkerMetrics:

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from dynarl.runtime.worker._options import WorkerOptions
 
@@ -34,10 +35,14 @@ def run_worker(options: WorkerOptions) -> int:
     torch.set_num_threads(options.num_threads)
     for module in options.preload:
         importlib.import_module(module)
-    from dynarl.bus import run
+    from dynarl.bus import CurveClient, load_public_key, run
     from dynarl.runtime.worker._agent import WorkerAgent
 
-    return run(WorkerAgent(options).run())
+    curve = None
+    if options.key_file:
+        server_key = load_public_key(options.server_key_file)
+        curve = CurveClient(key_file=Path(options.key_file), server_key=server_key)
+    return run(WorkerAgent(options, curve=curve).run())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

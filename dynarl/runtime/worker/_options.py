@@ -45,6 +45,11 @@ class WorkerOptions:
     """Modules imported before registering (role modules: heavy imports come first)."""
     cpus: tuple[int, ...] = ()
     """Cores this worker and every process it starts run on (empty: not pinned)."""
+    key_file: str = ""
+    """This worker's CURVE secret key file, for a controller that binds a routable address
+    (empty: plain TCP, which only a loopback controller accepts)."""
+    server_key_file: str = ""
+    """A file holding the controller's CURVE public key (with ``key_file``)."""
 
     def __post_init__(self) -> None:
         if not self.controller:
@@ -64,6 +69,12 @@ class WorkerOptions:
                 raise ValueError(f"WorkerOptions.{name} must be positive, got {value!r}")
         if self.num_threads < 1:
             raise ValueError(f"WorkerOptions.num_threads must be >= 1, got {self.num_threads}")
+        if bool(self.key_file) != bool(self.server_key_file):
+            raise ValueError(
+                "WorkerOptions.key_file and server_key_file go together (CURVE needs this "
+                f"worker's secret key and the controller's public key), got {self.key_file!r} "
+                f"and {self.server_key_file!r}"
+            )
         if any(core < 0 for core in self.cpus) or len(set(self.cpus)) != len(self.cpus):
             raise ValueError(f"WorkerOptions.cpus must be distinct core ids >= 0, got {self.cpus}")
 
@@ -81,6 +92,8 @@ class WorkerOptions:
         ]
         if self.cpus:
             args.append(f"--cpus={','.join(map(str, self.cpus))}")
+        if self.key_file:
+            args += [f"--key-file={self.key_file}", f"--server-key={self.server_key_file}"]
         return args + [f"--preload={module}" for module in self.preload]
 
     @classmethod
@@ -106,6 +119,8 @@ class WorkerOptions:
         parser.add_argument("--threads", type=int, default=1)
         parser.add_argument("--preload", action="append", default=[])
         parser.add_argument("--cpus", default="")
+        parser.add_argument("--key-file", default="")
+        parser.add_argument("--server-key", default="")
         parser.add_argument(
             "--pin-cores", action="store_true", default=env.get("DYNARL_PIN_CORES") == "1"
         )
@@ -131,6 +146,8 @@ class WorkerOptions:
             num_threads=args.threads,
             preload=tuple(args.preload),
             cpus=cpus,
+            key_file=args.key_file,
+            server_key_file=args.server_key,
         )
 
 
