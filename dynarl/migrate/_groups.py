@@ -155,8 +155,8 @@ class LayoutGroups:
     pipeline, ``pos_embd`` is its first stage, ``cp`` is its context-parallel group (this
     rank alone without CP). With CP, ``dp_cp`` and ``tp_cp`` join; with CP, expert
     parallelism or an expert TP of its own, so do the expert generator's ``ep``, ``etp``,
-    ``edp`` and ``tp_ep`` (see :meth:`LayoutSpec.group_ranks`). Groups of size one are real
-    groups too: Megatron calls collectives on them.
+    ``edp``, ``tp_ep`` and ``tp_ep_pp`` (see :meth:`LayoutSpec.group_ranks`). Groups of
+    size one are real groups too: Megatron calls collectives on them.
     """
 
     epoch: int
@@ -165,7 +165,7 @@ class LayoutGroups:
     """The layout."""
     groups: dict[str, CommGroup]
     """``{kind: group}`` for kinds tp, dp, pp, mp, cp, embd, pos_embd and the optional
-    dp_cp, tp_cp, ep, etp, edp, tp_ep."""
+    dp_cp, tp_cp, ep, etp, edp, tp_ep, tp_ep_pp."""
 
     @classmethod
     def build(
@@ -213,7 +213,7 @@ class LayoutGroups:
         out["cp"] = mine("cp")
         optional: tuple[str, ...] = ("dp_cp", "tp_cp") if spec.cp > 1 else ()
         if spec.cp > 1 or spec.ep > 1 or spec.etp != spec.tp:
-            optional += ("ep", "etp", "edp", "tp_ep")
+            optional += ("ep", "etp", "edp", "tp_ep", "tp_ep_pp")
         out |= {kind: mine(kind) for kind in optional}
         if rank not in out["embd"]:
             del out["embd"]

@@ -125,6 +125,7 @@ _GROUP_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "ep": (_EXPERT_DIMS, ("ep",)),
     "edp": (_EXPERT_DIMS, ("edp",)),
     "tp_ep": (_EXPERT_DIMS, ("etp", "ep")),
+    "tp_ep_pp": (_EXPERT_DIMS, ("etp", "ep", "pp")),
 }
 """Group kind: (the rank generator's dimensions, fastest first; the dimensions it spans)."""
 
@@ -269,7 +270,8 @@ class LayoutSpec:
         """Ranks of every group of ``kind``, as Megatron's rank generators list them.
 
         Kinds: ``tp``, ``cp``, ``dp``, ``pp``, ``mp`` (tp × pp), ``dp_cp``, ``tp_cp`` (dense
-        generator) and ``etp``, ``ep``, ``edp``, ``tp_ep`` (expert generator). Groups come
+        generator) and ``etp``, ``ep``, ``edp``, ``tp_ep``, ``tp_ep_pp`` (expert generator;
+        the last is where Megatron sums expert gradient norms). Groups come
         in Megatron's order, each in group-rank order. Raises ValueError for another kind.
         """
         if kind not in _GROUP_KINDS:

@@ -19,7 +19,8 @@ Megatron import it lazily.
   tensor-parallel group) at commit, and returns what it replaced for a rollback.
 - :func:`state_tensors` names a model's parameters and its ``torch.optim.Adam`` state the
   way a layout does; :func:`sharded_state_dict_mismatches` cross-checks a layout's
-  parameter shards against the model's own ``sharded_state_dict()``.
+  parameter shards (strided gate/up halves and experts included) against the model's own
+  ``sharded_state_dict()``.
 
 Runs on each trainer rank.
 """
@@ -35,6 +36,7 @@ import torch
 
 from dynarl.migrate._groups import LayoutGroups
 from dynarl.migrate._layout import Layout, ParamSpec, Stage, state_tensor
+from dynarl.migrate._region import Region
 
 __all__ = [
     "install_parallel_state",
@@ -262,6 +264,7 @@ _GLOBALS: dict[str, tuple[str, ...]] = {
     "_EXPERT_MODEL_PARALLEL_GROUP": ("ep", "cp"),
     "_EXPERT_TENSOR_PARALLEL_GROUP": ("etp", "tp"),
     "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": ("tp_ep", "tp"),
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": ("tp_ep_pp", "mp"),
     "_EXPERT_DATA_PARALLEL_GROUP": ("edp", "dp"),
 }
 _OVERRIDES = (
@@ -347,37 +350,51 @@ def sharded_state_dict_mismatches(
 
     Returns human-readable differences; empty when they agree. For an expert parameter
     the offset on the expert axis Megatron prepends must be its global expert index too.
-    The model's TP parameters must be split with stride 1 (Megatron's state dict cannot
-    express strided splits).
+    A strided TP split (a gated ``linear_fc1``, dense or expert) is a
+    ``ShardedTensorFactory`` in Megatron's state dict: it is built, and its pieces (the
+    gate and up halves of this rank) must be exactly the layout's shards of the parameter.
     ``metadata`` is passed to ``sharded_state_dict`` (``{"dp_cp_group": ...}`` checks a
     model whose groups are not installed in Megatron's globals).
     """
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     specs = layout.tensor_map()
-    mine = {p.shard.tensor: p.shard.region for p in layout.placements_on(rank)}
+    mine: dict[str, list[Region]] = {}
+    for placement in layout.placements_on(rank):
+        mine.setdefault(placement.shard.tensor, []).append(placement.shard.region)
     names = {local: name for local, name, _ in param_names(model)}
     problems = []
     for local, item in model.sharded_state_dict(metadata=metadata).items():
-        if not isinstance(item, ShardedTensor) or local not in names:
+        if local not in names or not isinstance(item, ShardedTensor | ShardedTensorFactory):
             continue
-        name, lead = names[local], item.prepend_axis_num
-        region = mine.get(name)
-        if region is None:
+        name = names[local]
+        if name not in mine:
             problems.append(f"{name}: in the model's state dict, not in the layout on rank {rank}")
             continue
-        got: tuple[Any, ...] = (
-            tuple(item.global_shape[lead:]),
-            tuple(item.global_offset[lead:]),
-            tuple(item.local_shape),
-        )
-        want: tuple[Any, ...] = (specs[name].shape, region.offsets, region.sizes)
+        built = item.build() if isinstance(item, ShardedTensorFactory) else [item]
+        pieces = [built] if isinstance(built, ShardedTensor) else list(built)
         expert = _split_expert(name)
-        if expert is not None:  # the experts module prepends the global expert axis
-            got += (item.global_offset[lead - 1] if lead else None,)
-            want += (expert.index,)
+        got = sorted(_megatron_box(piece, expert is not None) for piece in pieces)
+        want = sorted(
+            (specs[name].shape, region.offsets, region.sizes)
+            + ((expert.index,) if expert is not None else ())
+            for region in mine[name]
+        )
         if got != want:
             problems.append(
                 f"{name}: megatron (shape, offset, local[, expert]) {got} != layout {want}"
             )
     return problems
+
+
+def _megatron_box(item: Any, expert: bool) -> tuple[Any, ...]:
+    """``(global shape, global offset, local shape[, expert index])`` of a ShardedTensor,
+    without the axes Megatron prepends (layer, and expert for an expert parameter, whose
+    offset on that axis is the global expert index)."""
+    lead = item.prepend_axis_num
+    box: tuple[Any, ...] = (
+        tuple(item.global_shape[lead:]),
+        tuple(item.global_offset[lead:]),
+        tuple(item.local_shape),
+    )
+    return box + ((item.global_offset[lead - 1] if lead else None,) if expert else ())

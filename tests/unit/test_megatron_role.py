@@ -24,8 +24,7 @@ from dynarl.backends.megatron import (
     MegatronTrainerRole,
     hf_config,
 )
-from dynarl.backends.megatron._grad_rows import GradientRows
-from dynarl.backends.megatron._megatron_trainer import _grad_buffers
+from dynarl.backends.megatron._grad_rows import GradientRows, grad_buffers
 from dynarl.backends.megatron._samples import micro_batches, train_sample
 from dynarl.backends.reference import solo_process_group
 from dynarl.bus import Sample, pack_floats, pack_tokens
@@ -162,7 +161,7 @@ def test_a_streamed_step_is_the_whole_batch_step(solo: Any) -> None:
         # The gradient the streamed step applied is the one DDP reduced (still in its
         # buffers after train_step). Parameters are not compared: Adam's first step turns
         # float-noise differences of near-zero gradients into differences of size lr.
-        reduced = torch.cat([b.grad_data.reshape(-1) for b in _grad_buffers(whole_ddp(whole))])
+        reduced = torch.cat([b.grad_data.reshape(-1) for b in grad_buffers(whole_ddp(whole))])
         torch.testing.assert_close(total[:-4] / total[-1], reduced, rtol=1e-5, atol=1e-8)
         assert reduced.abs().max() > 1e-3
         with pytest.raises(ValueError, match="row has shape"):

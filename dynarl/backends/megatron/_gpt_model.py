@@ -15,15 +15,17 @@ Megatron is imported lazily, after :func:`dynarl.backends._cpu_compat.apply_cpu_
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dynarl.backends._cpu_compat import apply_cpu_shim
+from dynarl.backends.megatron._layer_spec import block_spec
 from dynarl.backends.megatron._train_config import GPTModelConfig
 from dynarl.migrate import (
     CommGroup,
@@ -41,6 +43,7 @@ __all__ = [
     "causal_inputs",
     "describe",
     "import_megatron",
+    "initial_parameters",
     "pg_collection",
     "set_tp_attributes",
     "token_logprobs",
@@ -61,28 +64,39 @@ def import_megatron() -> None:
         import megatron.core.models.gpt
         import megatron.core.models.gpt.gpt_layer_specs
         import megatron.core.optimizer  # noqa: F401
+        from megatron.core.transformer.moe import moe_utils
+    # Without Transformer Engine, Megatron-core 0.16.1 leaves ``te_general_gemm`` unbound
+    # (its ImportError branch sets only HAVE_TE) yet the router's gating reads it: every MoE
+    # forward would raise NameError. None is the value that branch means.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def transformer_config(
-    model: GPTModelConfig, *, tp: int, pp: int, init: bool, cpu_init: bool
+    model: GPTModelConfig, spec: LayoutSpec, *, init: bool, cpu_init: bool
 ) -> Any:
-    """Megatron's ``TransformerConfig`` for ``model`` at these parallel sizes.
+    """Megatron's ``TransformerConfig`` for ``model`` at ``spec``'s parallel sizes.
 
     Dropout is off and fused kernels are not used; the loss is per token (gradients are
-    summed over data-parallel ranks, not averaged: the caller normalises).
+    summed over data-parallel ranks, not averaged: the caller normalises). A MoE model is
+    dropless, routes with the ``allgather`` dispatcher (the ``alltoall`` one creates CUDA
+    streams) and has no load-balancing loss: Megatron scales that loss by the loss scale of
+    its own pipeline schedules, which the trainer does not run.
     """
     from megatron.core.transformer import TransformerConfig
 
     dtype = model.torch_dtype
     return TransformerConfig(
+        **_moe_fields(model, spec),
+        sequence_parallel=spec.sequence_parallel,
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.query_groups,
         kv_channels=model.kv_channels,
         ffn_hidden_size=model.ffn_hidden_size,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=spec.tp,
+        pipeline_model_parallel_size=spec.pp,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -109,18 +123,36 @@ def transformer_config(
     )
 
 
+def _moe_fields(model: GPTModelConfig, spec: LayoutSpec) -> dict[str, Any]:
+    if model.num_experts is None:
+        return {}
+    return {
+        "num_moe_experts": model.num_experts,
+        "moe_router_topk": model.moe_router_topk,
+        "moe_ffn_hidden_size": model.moe_ffn_hidden_size or model.ffn_hidden_size,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_router_load_balancing_type": "none",
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": spec.ep,
+        "expert_tensor_parallel_size": spec.etp,
+    }
+
+
 def _gelu(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x)
 
 
 def pg_collection(groups: LayoutGroups, whole: CommGroup | None = None) -> Any:
-    """The ``ProcessGroupCollection`` of a layout, with the two groups Megatron's optimizer
-    also reads: expert TP×PP (no expert parallelism: model parallelism) and the one
-    distributed-optimizer instance, ``whole`` (every rank of the layout; the data-parallel
-    group when not given, for a caller that builds no distributed optimizer)."""
+    """The ``ProcessGroupCollection`` of a layout, with the groups Megatron's optimizer and
+    router also read: expert TP × EP × PP (without expert groups: model parallelism), the
+    one distributed-optimizer instance, ``whole`` (every rank of the layout; the
+    data-parallel group when not given, for a caller that builds no distributed optimizer),
+    and ``tp_dp_cp``, None: only the router's global load-balancing loss reads it, and the
+    trainer's MoE models have none."""
     collection = process_group_collection(groups)
-    collection.tp_ep_pp = groups.groups["mp"].pg
+    collection.tp_ep_pp = groups.groups.get("tp_ep_pp", groups.groups["mp"]).pg
     collection.intra_dist_opt = (whole or groups.groups["dp"]).pg
+    collection.tp_dp_cp = None
     return collection
 
 
@@ -140,19 +172,16 @@ def build_gpt(
     ValueError when ``rank`` is not in ``spec``.
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     _, _, pp_rank = spec.coords(rank)
-    config = transformer_config(
-        model, tp=spec.tp, pp=spec.pp, init=init, cpu_init=init or device.type == "cpu"
-    )
+    config = transformer_config(model, spec, init=init, cpu_init=init or device.type == "cpu")
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # The local layer spec leaves the MLP's size to the config, which Megatron flags.
         warnings.filterwarnings("ignore", "MLP requires ffn_hidden_size", DeprecationWarning)
         torch.manual_seed(model.init_seed)
         gpt = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization=model.normalization),
+            transformer_layer_spec=block_spec(model, config, pp_rank=pp_rank),
             vocab_size=model.vocab_size,
             max_sequence_length=model.max_sequence_length,
             position_embedding_type=model.position_embedding,
@@ -171,8 +200,29 @@ def build_gpt(
 def describe(model: GPTModelConfig) -> list[ParamSpec]:
     """Every parameter of ``model`` (whole model, registration order), read from a one-rank
     instance on the ``meta`` device over a private one-rank group. Cheap for any size."""
+    with _one_rank(model, torch.device("meta")) as gpt:
+        return param_specs(gpt, tp=1)
+
+
+def initial_parameters(model: GPTModelConfig) -> dict[str, torch.Tensor]:
+    """The full initial weights of ``model`` on the CPU, by global name, as a one-rank
+    instance draws them from ``init_seed``.
+
+    Every layout without expert parallelism draws exactly these (Megatron's CPU
+    initialisation draws each weight whole, then cuts this rank's part). An expert-parallel
+    rank draws only its own experts, from the same seed, so its experts and every weight
+    after them would differ from layout to layout: the trainer loads these instead. Holds
+    one full model in memory.
+    """
+    with _one_rank(model, torch.device("cpu")) as gpt:
+        return {name: param.detach() for _, name, param in param_names(gpt)}
+
+
+@contextlib.contextmanager
+def _one_rank(model: GPTModelConfig, device: torch.device) -> Iterator[torch.nn.Module]:
+    """An initialised whole ``model`` on ``device`` over a private one-rank group."""
     import_megatron()
-    name = f"dynarl/describe/{uuid.uuid4().hex}"
+    name = f"dynarl/one-rank/{uuid.uuid4().hex}"
     group = build_group(dist.HashStore(), name=name, ranks=(0,), rank=0)  # type: ignore[attr-defined]
     groups = LayoutGroups(
         epoch=-1,
@@ -180,11 +230,8 @@ def describe(model: GPTModelConfig) -> list[ParamSpec]:
         groups={kind: group for kind in ("tp", "dp", "pp", "mp", "cp", "embd", "pos_embd")},
     )
     try:
-        with torch.device("meta"):
-            gpt = build_gpt(
-                model, groups.spec, groups, rank=0, init=True, device=torch.device("meta")
-            )
-        return param_specs(gpt, tp=1)
+        with device:
+            yield build_gpt(model, groups.spec, groups, rank=0, init=True, device=device)
     finally:
         group.close()
 

@@ -10,17 +10,71 @@ row, so the exchange adds only zeros) and summed from zero in micro-batch order
 ``0, 1, ..., M-1``. The result is the same float sequence whatever the data-parallel size,
 whichever rank computed which row and in which order they arrived.
 
+A row is laid out by :func:`gradient_row`: Megatron DDP's gradient buffers (dense, then
+expert-parallel), flat, in order, then :data:`ROW_SCALARS` token sums; :func:`write_gradient`
+puts a summed row back into the buffers.
+
 Runs on the trainer's compute thread; ``total`` is collective over the group.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dynarl.errors import BackendError
 
-__all__ = ["GradientRows"]
+__all__ = [
+    "ROW_SCALARS",
+    "GradientRows",
+    "grad_buffers",
+    "gradient_row",
+    "row_length",
+    "write_gradient",
+]
+
+ROW_SCALARS = 4
+"""Scalars at the end of a gradient row: loss, KL, clipped tokens, policy tokens."""
+
+
+def grad_buffers(ddp: Any) -> list[Any]:
+    """Megatron DDP's gradient buffers (dense, then expert-parallel), in order (its
+    ``buffers`` attribute hides ``nn.Module.buffers``)."""
+    return [*ddp.buffers, *ddp.expert_parallel_buffers]
+
+
+def row_length(ddp: Any) -> int:
+    """Length of the gradient rows of ``ddp``'s model on this rank."""
+    return sum(int(b.grad_data.numel()) for b in grad_buffers(ddp)) + ROW_SCALARS
+
+
+def gradient_row(ddp: Any, scalars: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """This rank's row: the flat gradient buffers (float32), the micro-batch's ``scalars``
+    (loss, KL, clipped tokens) and its policy-token ``count``."""
+    grads = [b.grad_data.detach().reshape(-1).float() for b in grad_buffers(ddp)]
+    return torch.cat([*grads, scalars.detach().float(), count])
+
+
+def write_gradient(ddp: Any, total: torch.Tensor) -> tuple[float, float, float, float]:
+    """Write ``total`` (a summed row) divided by its policy tokens (at least one) into
+    ``ddp``'s gradient buffers; return its token sums (loss, KL, clipped, policy tokens).
+    Raises ValueError for a row of another length."""
+    buffers = grad_buffers(ddp)
+    size = sum(b.grad_data.numel() for b in buffers)
+    if tuple(total.shape) != (size + ROW_SCALARS,):
+        shape = tuple(total.shape)
+        raise ValueError(f"gradient row has shape {shape}, expected {size + ROW_SCALARS}")
+    loss, kl, clipped, tokens = total[size:].tolist()
+    normalizer = max(1.0, tokens)
+    offset = 0
+    for buffer in buffers:
+        grad = buffer.grad_data
+        part = total[offset : offset + grad.numel()].view(grad.shape)
+        grad.copy_(part.to(grad.device) / normalizer)
+        offset += grad.numel()
+    return loss, kl, clipped, tokens
 
 
 class GradientRows:

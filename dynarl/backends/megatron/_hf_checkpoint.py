@@ -101,13 +101,19 @@ def _architecture(model: GPTModelConfig) -> tuple[Any, ...]:
         model.tie_embeddings,
         model.rotary_base,
         model.position_embedding,
+        model.num_experts,
+        model.moe_router_topk if model.is_moe else None,
+        model.moe_ffn_hidden_size if model.is_moe else None,
     )
 
 
 def hf_config(model: GPTModelConfig, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``config.json`` for ``model``: ``base`` (the loaded checkpoint's config) with the
     model's fields written over it; a Llama config when ``base`` is None. Raises ValueError
-    for a model with no HF Llama/Qwen2 equivalent."""
+    for a model with no HF Llama/Qwen2 equivalent, MoE models included (their tensors map
+    to Qwen-MoE names, :func:`.sync.to_hf`, but no Qwen-MoE config is written)."""
+    if model.is_moe:
+        raise ValueError("num_experts: no HF config.json is written for MoE models")
     mismatches = model.hf_mismatches()
     if mismatches:
         raise ValueError(f"the model has no HF Llama/Qwen2 config: {', '.join(mismatches)}")

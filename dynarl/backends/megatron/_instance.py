@@ -6,13 +6,16 @@ result (``BackendError``) unless Megatron agrees with the layout the planner wil
 by:
 
 - every parameter shard's global shape, offset and local shape equal the model's own
-  ``sharded_state_dict()`` (:func:`dynarl.migrate.sharded_state_dict_mismatches`);
+  ``sharded_state_dict()`` (:func:`dynarl.migrate.sharded_state_dict_mismatches`: experts
+  by global index, gated ``linear_fc1`` halves included);
 - with the distributed optimizer, the flat range of every parameter this rank owns, as the
   live optimizer derived it from DDP's buffers, equals the one the layout was built from
   (:func:`distributed_optimizer_mismatches`).
 
 :class:`LayoutInstance` holds the result; the trainer keeps the current one and, during a
-reshard, the one being filled. Runs on each trainer rank.
+reshard, the one being filled. An expert-parallel layout starts from the whole model's
+initial draw (:func:`initial_parameters`), not its ranks' own: Megatron draws a rank's
+local experts from the same seed whichever experts they are. Runs on each trainer rank.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch._C._distributed_c10d import Store
 
 from dynarl.backends.megatron._gpt_model import (
     build_gpt,
+    initial_parameters,
     pg_collection,
     set_tp_attributes,
     wrap_ddp,
@@ -137,6 +141,10 @@ def build_instance(
     spec = layout.spec
     module = build_gpt(model, spec, groups, rank=rank, init=init, device=device)
     set_tp_attributes(module, specs)
+    if init and spec.ep > 1:
+        # An expert-parallel rank's own draw depends on the experts it holds: take the
+        # draw every other layout makes instead.
+        _load_parameters(module, layout, rank, initial_parameters(model))
     if not init:
         with torch.no_grad():
             for param in module.parameters():
@@ -176,6 +184,19 @@ def build_instance(
         timeout=timeout,
         layout_group=whole,
     )
+
+
+@torch.no_grad()
+def _load_parameters(
+    module: torch.nn.Module, layout: Layout, rank: int, full: Mapping[str, torch.Tensor]
+) -> None:
+    """Copy this rank's shards of the full parameters ``full`` into ``module``."""
+    params = {name: param for _, name, param in param_names(module)}
+    for placement in layout.placements_on(rank):
+        param = params.get(placement.shard.tensor)
+        if param is not None:
+            source = full[placement.shard.tensor][placement.shard.region.slices() or ...]
+            placement.view(param.data).copy_(source)
 
 
 def distributed_optimizer_mismatches(

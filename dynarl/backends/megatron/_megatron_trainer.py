@@ -6,9 +6,11 @@ process groups over a ``PrefixStore`` of the job's store (NCCL on GPU, gloo on C
 GPTModel on them (passed as a ``ProcessGroupCollection``; ``initialize_model_parallel`` is
 never called), Megatron ``DistributedDataParallel`` and the optimizer (:mod:`.optimizer`:
 Megatron's, distributed or not, on GPU; ``torch.optim.AdamW`` on ``main_grad`` on CPU).
-Layouts come from :func:`dynarl.migrate.trainer_layout` over the model's description, and
-every build is cross-checked: parameter shards against the model's ``sharded_state_dict()``
-and, with the distributed optimizer, flat ranges against the ones the optimizer derived.
+Layouts come from :func:`dynarl.migrate.trainer_layout` over the model's description — TP,
+PP, DP and, for a mixture-of-experts model, expert parallelism (CPU only) with sequence
+parallelism wherever TP > 1 (:mod:`.layout_rules`) — and every build is cross-checked:
+parameter shards against the model's ``sharded_state_dict()`` and, with the distributed
+optimizer, flat ranges against the ones the optimizer derived.
 
 It implements :class:`dynarl.migrate.ShardedTrainer`, so :class:`dynarl.migrate.P2PMigration`
 reshards it; :meth:`gather` assembles full tensors on one rank with the same planner and
@@ -38,19 +40,22 @@ import hashlib
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from dynarl.backends._grpo import StepStats, TrainSample, pad_samples
+from dynarl.backends._grpo import StepStats, TrainSample
 from dynarl.backends.megatron._gpt_model import causal_inputs, describe, import_megatron
+from dynarl.backends.megatron._grad_rows import gradient_row, row_length, write_gradient
 from dynarl.backends.megatron._instance import LayoutInstance, build_instance
+from dynarl.backends.megatron._layout_rules import check_layout_spec, model_layout_spec
 from dynarl.backends.megatron._micro_batches import (
     LossFn,
     grpo_loss,
     logprob_gap,
+    micro_tensors,
+    reduce_sequence_parallel_grads,
     run_micro_batches,
     sft_loss,
 )
@@ -72,9 +77,6 @@ from dynarl.migrate import (
 __all__ = ["MegatronTrainer"]
 
 logger = logging.getLogger(__name__)
-
-_ROW_SCALARS = 4
-"""Scalars at the end of a gradient row: loss, KL, clipped tokens, policy tokens."""
 
 
 class MegatronTrainer:
@@ -115,31 +117,30 @@ class MegatronTrainer:
         pp: int = 1,
         dp: int = 1,
         distributed_optimizer: bool = False,
+        expert_parallel: int = 1,
+        expert_tensor_parallel: int | None = None,
+        sequence_parallel: bool | None = None,
     ) -> LayoutSpec:
-        """A :class:`LayoutSpec` with this model's parameter and master dtypes."""
-        dtype = self.model_config.params_dtype
-        return LayoutSpec(
-            ranks=tuple(ranks),
+        """A :class:`LayoutSpec` with this model's parameter and master dtypes; sequence
+        parallelism (None) on exactly for a MoE model with ``tp > 1``."""
+        return model_layout_spec(
+            self.model_config,
+            ranks,
             tp=tp,
             pp=pp,
             dp=dp,
             distributed_optimizer=distributed_optimizer,
-            param_dtype=dtype,
-            master_dtype=None if dtype == "float32" else "float32",
+            expert_parallel=expert_parallel,
+            expert_tensor_parallel=expert_tensor_parallel,
+            sequence_parallel=sequence_parallel,
         )
 
     def layout_for(self, spec: LayoutSpec) -> Layout:
         """The trainer layout of ``spec`` for this model. Raises ValueError when the spec's
-        dtypes disagree with the model, when it asks for the distributed optimizer on CPU,
-        or when the model does not split under it."""
-        want = self.layout_spec(spec.ranks[:1])
-        if (spec.param_dtype, spec.master_dtype) != (want.param_dtype, want.master_dtype):
-            raise ValueError(
-                f"layout dtypes ({spec.param_dtype}, master {spec.master_dtype}) differ from "
-                f"the model's ({want.param_dtype}, master {want.master_dtype})"
-            )
-        if spec.distributed_optimizer and self.device.type != "cuda":
-            raise ValueError("the distributed optimizer is Megatron's and needs CUDA")
+        dtypes disagree with the model, for what the device cannot run (the distributed
+        optimizer on CPU, expert parallelism on CUDA), for a MoE model with TP but without
+        sequence parallelism, or when the model does not split under it."""
+        check_layout_spec(self.model_config, spec, self.device)
         return trainer_layout(self.specs, spec)
 
     @property
@@ -288,6 +289,7 @@ class MegatronTrainer:
             device=self.device,
         )
         state.ddp.finish_grad_sync()  # type: ignore[operator]
+        reduce_sequence_parallel_grads(state.layout.spec, state.groups, state.ddp)
         grad_norm = state.optimizer.step()
         self.version += 1
         loss, kl, clipped = scalars.tolist()
@@ -310,8 +312,7 @@ class MegatronTrainer:
     @property
     def row_size(self) -> int:
         """Length of this rank's gradient rows (:meth:`micro_gradient`)."""
-        buffers = _grad_buffers(self._require().ddp)
-        return sum(int(b.grad_data.numel()) for b in buffers) + _ROW_SCALARS
+        return row_length(self._require().ddp)
 
     def micro_gradient(self, samples: Sequence[TrainSample]) -> torch.Tensor:
         """The gradient row of one micro-batch of a streamed GRPO step on this rank.
@@ -323,36 +324,39 @@ class MegatronTrainer:
         data-parallel rank, and the step is the sum of its rows in micro-batch order. The
         weights must not change between the rows of one step. Collective over the
         tensor-parallel group only. Raises ValueError on an empty micro-batch, missing
-        reference log-probs with a KL term, or a pipeline-parallel layout.
+        reference log-probs with a KL term, or a pipeline- or expert-parallel layout (an
+        expert-parallel forward pass needs every rank of its expert group at once).
         """
         state = self._require()
-        assert state.layout.spec is not None
-        if state.layout.spec.pp > 1:
-            raise ValueError("streamed steps run on pp=1 layouts only (use train_step)")
+        spec = state.layout.spec
+        assert spec is not None
+        if spec.pp > 1 or spec.ep > 1:
+            raise ValueError("streamed steps run on pp=1, ep=1 layouts only (use train_step)")
         if not samples:
             raise ValueError("empty micro-batch")
         if self.config.grpo.kl_coef > 0 and any(s.ref_logprobs is None for s in samples):
             raise ValueError("kl_coef > 0 needs ref_logprobs on every sample")
         state.ddp.zero_grad_buffer()  # type: ignore[operator]
         state.optimizer.zero_grad()
-        tokens, mask = pad_samples(samples)
-        tokens, mask = tokens.to(self.device), mask.to(self.device)
+        tokens, mask = micro_tensors(samples, spec, device=self.device)
         logits = state.ddp(tokens, *causal_inputs(tokens))
         loss, scalars = grpo_loss(self.config)(logits, tokens, mask, samples, 1.0)
         torch.autograd.backward(loss)
+        reduce_sequence_parallel_grads(spec, state.groups, state.ddp)
         count = torch.tensor([float(mask.sum())], device=self.device)
-        grads = [b.grad_data.detach().reshape(-1).float() for b in _grad_buffers(state.ddp)]
-        row = torch.cat([*grads, scalars.detach().float(), count])
+        row = gradient_row(state.ddp, scalars, count)
         state.ddp.zero_grad_buffer()  # type: ignore[operator]
         return row
 
     def logprob_gap(self, samples: Sequence[TrainSample]) -> float:
         """How far the engine's log-probs of ``samples`` (``old_logprobs``) are from this
-        trainer's (:func:`logprob_gap`); ValueError on a pipeline-parallel layout too."""
+        trainer's (:func:`logprob_gap`); ValueError on a pipeline- or expert-parallel
+        layout too."""
         state = self._require()
-        if state.layout.spec is None or state.layout.spec.pp > 1:
-            raise ValueError("logprob_gap runs on pp=1 layouts only")
-        return logprob_gap(state.ddp, samples, self.config.temperature, self.device)
+        spec = state.layout.spec
+        if spec is None or spec.pp > 1 or spec.ep > 1:
+            raise ValueError("logprob_gap runs on pp=1, ep=1 layouts only")
+        return logprob_gap(state.ddp, samples, spec, self.config.temperature, self.device)
 
     def apply_gradient(self, total: torch.Tensor, *, num_samples: int) -> StepStats:
         """One optimizer step with ``total``, the sum of a step's rows (the same on every
@@ -361,20 +365,9 @@ class MegatronTrainer:
         the norm is collective over the model-parallel group). Raises ValueError for a row
         of another size."""
         state = self._require()
-        buffers = _grad_buffers(state.ddp)
-        size = sum(b.grad_data.numel() for b in buffers)
-        if tuple(total.shape) != (size + _ROW_SCALARS,):
-            shape = tuple(total.shape)
-            raise ValueError(f"gradient row has shape {shape}, expected {size + _ROW_SCALARS}")
-        loss, kl, clipped, tokens = total[size:].tolist()
-        normalizer = max(1.0, tokens)
         state.optimizer.zero_grad()
-        offset = 0
-        for buffer in buffers:
-            grad = buffer.grad_data
-            part = total[offset : offset + grad.numel()].view(grad.shape)
-            grad.copy_(part.to(grad.device) / normalizer)
-            offset += grad.numel()
+        loss, kl, clipped, tokens = write_gradient(state.ddp, total)
+        normalizer = max(1.0, tokens)
         grad_norm = state.optimizer.step()
         state.ddp.zero_grad_buffer()  # type: ignore[operator]
         self.version += 1
@@ -489,9 +482,3 @@ class MegatronTrainer:
         if self._current is not None:
             install_parallel_state(None)
         self._current = self._pending = None
-
-
-def _grad_buffers(ddp: Any) -> list[Any]:
-    """Megatron DDP's gradient buffers (dense, then expert-parallel), in order (its
-    ``buffers`` attribute hides ``nn.Module.buffers``)."""
-    return [*ddp.buffers, *ddp.expert_parallel_buffers]

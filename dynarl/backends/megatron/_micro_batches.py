@@ -8,6 +8,16 @@ them (``finish_grad_sync``) and steps. With pipeline parallelism each micro-batc
 through the stages in turn — activations forward and their gradients back over the
 layout's pipeline group — one micro-batch at a time: correct, not overlapped.
 
+Two layout flags shape the micro-batches (:func:`micro_tensors`). With sequence parallelism
+every rank of a TP group holds a slice of the sequence, so tokens are right-padded to a
+multiple of TP (padding is masked out of every loss), and the gradients of the parameters
+that saw only a slice (norms, the MoE router) are summed over the TP group after the
+backward pass (:func:`reduce_sequence_parallel_grads`). With expert parallelism the ranks
+of an expert group — which span data-parallel ranks — exchange every MoE layer's tokens
+(Megatron's allgather dispatcher gathers equal-sized inputs), so every data-parallel rank
+runs the same number of micro-batches, all of one shape: the batch must split evenly and
+every sequence is padded to the batch's longest.
+
 The losses (:func:`grpo_loss`, :func:`sft_loss`) are the reference backend's GRPO math
 (:mod:`dynarl.backends._grpo`) on log-probs from Megatron's vocab-parallel cross
 entropy. Runs on each trainer rank, inside a training step.
@@ -26,7 +36,15 @@ from dynarl.backends.megatron._gpt_model import causal_inputs, token_logprobs
 from dynarl.backends.megatron._train_config import MegatronTrainConfig
 from dynarl.migrate import LayoutGroups, LayoutSpec
 
-__all__ = ["LossFn", "grpo_loss", "logprob_gap", "run_micro_batches", "sft_loss"]
+__all__ = [
+    "LossFn",
+    "grpo_loss",
+    "logprob_gap",
+    "micro_tensors",
+    "reduce_sequence_parallel_grads",
+    "run_micro_batches",
+    "sft_loss",
+]
 
 LossFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, Sequence[TrainSample], float],
@@ -71,9 +89,40 @@ def sft_loss(
     return loss, torch.stack([loss.detach(), zero, zero])
 
 
+def micro_tensors(
+    micro: Sequence[TrainSample], spec: LayoutSpec, *, device: torch.device, length: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``(b, L)`` and loss mask ``(b, L - 1)`` of ``micro`` on ``device``,
+    right-padded to at least ``length`` tokens and, under sequence parallelism, to a
+    multiple of TP (padding is masked)."""
+    tokens, mask = pad_samples(micro)
+    multiple = spec.tp if spec.sequence_parallel else 1
+    target = -(-max(length, tokens.shape[1]) // multiple) * multiple
+    extra = target - tokens.shape[1]
+    if extra:
+        tokens = torch.nn.functional.pad(tokens, (0, extra))
+        mask = torch.nn.functional.pad(mask, (0, extra))
+    return tokens.to(device), mask.to(device)
+
+
+def reduce_sequence_parallel_grads(spec: LayoutSpec, groups: LayoutGroups, ddp: Any) -> None:
+    """Under sequence parallelism, sum the reduced gradients (``main_grad``) of the
+    parameters marked ``sequence_parallel`` over the TP group, as Megatron's
+    ``finalize_model_grads`` does after its data-parallel reduction (collective over the
+    TP group); nothing otherwise."""
+    if not spec.sequence_parallel:
+        return
+    from megatron.core.distributed.finalize_model_grads import (
+        _allreduce_non_tensor_model_parallel_grads,
+    )
+
+    _allreduce_non_tensor_model_parallel_grads([ddp], ddp.config, groups.groups["tp"].pg)
+
+
 def logprob_gap(
     module: torch.nn.Module,
     samples: Sequence[TrainSample],
+    spec: LayoutSpec,
     temperature: float,
     device: torch.device,
 ) -> float:
@@ -85,8 +134,7 @@ def logprob_gap(
     ``old_logprobs``."""
     if not samples or any(s.old_logprobs is None for s in samples):
         raise ValueError("logprob_gap needs samples with old_logprobs")
-    tokens, mask = pad_samples(samples)
-    tokens, mask = tokens.to(device), mask.to(device)
+    tokens, mask = micro_tensors(samples, spec, device=device)
     with torch.no_grad():
         logits = module(tokens, *causal_inputs(tokens))
         logp = token_logprobs(logits, tokens, temperature)
@@ -109,13 +157,22 @@ def run_micro_batches(
     device: torch.device,
 ) -> torch.Tensor:
     """Forward and backward this rank's micro-batches; ``[loss, kl, clipped]`` of the whole
-    batch (collective over the data-parallel and pipeline groups)."""
+    batch (collective over the data-parallel and pipeline groups, and the expert groups).
+    Raises ValueError, with expert parallelism, for a batch that does not split into
+    micro-batches of ``micro_batch_size``, the same number on every data-parallel rank."""
     _, dp_rank, _ = spec.coords(rank)
     micros = [samples[i : i + micro_batch_size] for i in range(0, len(samples), micro_batch_size)]
+    length = 0
+    if spec.ep > 1:
+        if len(samples) % (micro_batch_size * spec.dp):
+            raise ValueError(
+                f"expert_parallel: {len(samples)} samples do not split into micro-batches of "
+                f"micro_batch_size={micro_batch_size} on each of dp={spec.dp} ranks evenly"
+            )
+        length = max(len(sample.tokens) for sample in samples)
     total = torch.zeros(3, dtype=torch.float32, device=device)
     for micro in micros[dp_rank :: spec.dp]:
-        tokens, mask = pad_samples(micro)
-        tokens, mask = tokens.to(device), mask.to(device)
+        tokens, mask = micro_tensors(micro, spec, device=device, length=length)
         if spec.pp == 1:
             logits = ddp(tokens, *causal_inputs(tokens))
             loss, scalars = loss_fn(logits, tokens, mask, micro, normalizer)
@@ -151,7 +208,9 @@ def _pipeline_micro(
     stage = pipeline.ranks.index(rank)
     last = stage == len(pipeline.ranks) - 1
     config: Any = module.config
-    shape = (tokens.shape[1], tokens.shape[0], int(config.hidden_size))
+    # Under sequence parallelism a stage hands on this rank's slice of the sequence.
+    split = groups.spec.tp if groups.spec.sequence_parallel else 1
+    shape = (tokens.shape[1] // split, tokens.shape[0], int(config.hidden_size))
     dtype: torch.dtype = config.pipeline_dtype
     hidden_in = None
     if stage > 0:

@@ -10,7 +10,9 @@ parameters) and expose the optimizer state as :mod:`dynarl.migrate` layouts name
   ``torch.optim.AdamW`` on the model parameters, reading the gradients Megatron DDP
   reduced into ``param.main_grad``, clipped to a global norm computed as Megatron does
   (tensor-parallel duplicates and shared parameters counted once, summed over the
-  model-parallel group). Float32 parameters only; no sharded state.
+  model-parallel group; expert-parallel parameters, held by one expert-parallel rank each,
+  summed over expert TP × EP × PP and added, as Megatron's chained dense and expert
+  optimizers add theirs). Float32 parameters only; no sharded state.
 - :class:`MegatronAdamW` — Megatron's own optimizer on CUDA: the distributed optimizer
   (state sharded over data-parallel ranks in flat ranges) or the plain one, mixed precision
   with fp32 master weights for bf16/fp16 parameters. Built from the parameter groups here
@@ -135,6 +137,9 @@ class CPUAdamW:
             raise ValueError("the CPU trainer needs float32 parameters (no master weights)")
         self.module, self.config = module, config
         self._tp, self._mp = groups.groups["tp"].pg, groups.groups["mp"].pg
+        self._expert_groups = None
+        if groups.spec.ep > 1:
+            self._expert_groups = (groups.groups["etp"].pg, groups.groups["tp_ep_pp"].pg)
         self.optimizer = torch.optim.AdamW(
             param_groups(module, config.weight_decay),
             lr=config.lr,
@@ -161,12 +166,20 @@ class CPUAdamW:
 
         params = [p for p in self.module.parameters() if p.requires_grad]
         squares = torch.zeros((), dtype=torch.float32)
+        expert_squares = torch.zeros((), dtype=torch.float32)
         for param in params:
-            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(
-                param, self._tp
-            ):
-                squares += torch.norm(_main_grad(param).float(), 2) ** 2
+            expert = self._expert_groups is not None and not getattr(param, "allreduce", True)
+            tp = self._expert_groups[0] if self._expert_groups and expert else self._tp
+            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, tp):
+                square = torch.norm(_main_grad(param).float(), 2) ** 2
+                if expert:
+                    expert_squares += square
+                else:
+                    squares += square
         dist.all_reduce(squares, group=self._mp)
+        if self._expert_groups is not None:
+            dist.all_reduce(expert_squares, group=self._expert_groups[1])
+            squares += expert_squares
         norm = float(squares.sqrt())
         clip = self.config.clip_grad
         scale = clip / (norm + 1e-6) if clip is not None else 1.0

@@ -21,9 +21,10 @@ from dataclasses import replace
 
 import torch
 
-from dynarl.backends._grpo import TrainSample, pad_samples
+from dynarl.backends._grpo import TrainSample
 from dynarl.backends.megatron._gpt_model import build_gpt, causal_inputs, token_logprobs
 from dynarl.backends.megatron._megatron_trainer import MegatronTrainer
+from dynarl.backends.megatron._micro_batches import micro_tensors
 from dynarl.migrate import ParamSpec, param_names
 
 __all__ = ["ReferencePolicy", "tp_slice"]
@@ -43,8 +44,9 @@ class ReferencePolicy:
     """The frozen initial policy on ``trainer``'s current layout (see the module docstring).
 
     ``initial``: the full initial weights under GPTModel's names; None draws them from the
-    model's ``init_seed`` as the trainer did. Raises ValueError on a pipeline-parallel
-    layout or when ``initial`` lacks a parameter, BackendError outside the layout.
+    model's ``init_seed`` as the trainer did. Raises ValueError on a pipeline- or
+    expert-parallel layout (it scores on one data-parallel rank at a time) or when
+    ``initial`` lacks a parameter, BackendError outside the layout.
     """
 
     def __init__(self, trainer: MegatronTrainer, initial: Mapping[str, torch.Tensor] | None):
@@ -52,8 +54,9 @@ class ReferencePolicy:
         if layout is None or groups is None or layout.spec is None:
             raise ValueError(f"rank {trainer.rank} holds no trainer layout to score on")
         spec = layout.spec
-        if spec.pp > 1:
-            raise ValueError("the KL reference policy runs on pp=1 layouts only")
+        if spec.pp > 1 or spec.ep > 1:
+            raise ValueError("the KL reference policy runs on pp=1, ep=1 layouts only")
+        self.layout_spec = spec
         self.layout_name = layout.name
         self.temperature = trainer.config.temperature
         self.device = trainer.device
@@ -81,8 +84,7 @@ class ReferencePolicy:
         policy (at the training temperature). Collective over the tensor-parallel group."""
         if self.module is None:
             raise ValueError("the reference policy was closed")
-        tokens, _ = pad_samples(samples)
-        tokens = tokens.to(self.device)
+        tokens, _ = micro_tensors(samples, self.layout_spec, device=self.device)
         with torch.no_grad():
             logits = self.module(tokens, *causal_inputs(tokens))
             logp = token_logprobs(logits, tokens, self.temperature).float().cpu()

@@ -19,6 +19,7 @@ from typing import Any
 from dynarl.backends._json_option import json_option, read_json_option
 from dynarl.backends.megatron._gpt_model import describe
 from dynarl.backends.megatron._hf_checkpoint import model_config_from_hf
+from dynarl.backends.megatron._layout_rules import model_layout_spec
 from dynarl.backends.megatron._train_config import GPTModelConfig, MegatronTrainConfig
 from dynarl.bus import MetaValue
 from dynarl.migrate import Layout, LayoutSpec, ParamSpec, trainer_layout
@@ -78,22 +79,22 @@ class MegatronSetup:
         return list(_describe(self.model))
 
     def layout_spec(self, devices: Sequence[int]) -> LayoutSpec:
-        """The layout spec over ``devices``: data parallel over what TP × PP leaves.
-        Raises ValueError unless the number of devices is a positive multiple of TP × PP."""
+        """The layout spec over ``devices``: data parallel over what TP × PP leaves (no
+        expert parallelism: the role's streamed steps run each micro-batch on one rank;
+        sequence parallel for a MoE model with TP). Raises ValueError unless the number of
+        devices is a positive multiple of TP × PP."""
         unit = self.tp * self.pp
         if not devices or len(devices) % unit:
             raise ValueError(
                 f"{len(devices)} devices do not split into tp={self.tp} x pp={self.pp}"
             )
-        dtype = self.model.params_dtype
-        return LayoutSpec(
-            ranks=tuple(devices),
+        return model_layout_spec(
+            self.model,
+            devices,
             tp=self.tp,
             pp=self.pp,
             dp=len(devices) // unit,
             distributed_optimizer=self.distributed_optimizer,
-            param_dtype=dtype,
-            master_dtype=None if dtype == "float32" else "float32",
         )
 
     def layout(self, devices: Sequence[int]) -> Layout:

@@ -9,7 +9,8 @@ SGLang takes full tensors under HF names, broadcast from one rank
    destination; TP shards, PP stages and DP replicas alike; checksummed);
 2. :func:`to_hf` renames and re-lays them with
    :mod:`dynarl.backends.hf_layout` (fused QKV split per query group, gated
-   ``linear_fc1`` into ``gate``/``up``);
+   ``linear_fc1`` into ``gate``/``up``) and, for a MoE model, :mod:`.hf_moe` (router and
+   routed experts under Qwen-MoE names);
 3. :func:`dynarl.backends.sglang.push_weights` buckets and broadcasts them inside
    ``/begin_weight_update`` … ``/end_weight_update``;
 4. every engine's ``/weights_checker`` checksums are compared with the ones computed from
@@ -36,6 +37,7 @@ from typing import Literal
 import torch
 
 from dynarl.backends.hf_layout import hf_to_megatron, megatron_to_hf
+from dynarl.backends.megatron._hf_moe import is_moe_hf_name, is_moe_name, moe_from_hf, moe_to_hf
 from dynarl.backends.megatron._megatron_trainer import MegatronTrainer
 from dynarl.backends.megatron._train_config import GPTModelConfig
 from dynarl.backends.sglang import (
@@ -79,16 +81,21 @@ def check_hf_compatible(model: GPTModelConfig) -> None:
 
 def to_hf(tensors: Mapping[str, torch.Tensor], model: GPTModelConfig) -> dict[str, torch.Tensor]:
     """Full Megatron-named tensors (as :meth:`MegatronTrainer.gather` returns them) → HF
-    names and layouts (views where possible). Raises ValueError for an incompatible model
-    or an unknown name."""
+    names and layouts (views where possible); a MoE model's routers and experts under
+    Qwen-MoE names (:mod:`.hf_moe`). Raises ValueError for an incompatible model or an
+    unknown name (a router or expert name of a dense model among them)."""
     check_hf_compatible(model)
-    return megatron_to_hf(tensors, model.hf_layout())
+    moe = {n: t for n, t in tensors.items() if model.is_moe and is_moe_name(n)}
+    dense = {n: t for n, t in tensors.items() if n not in moe}
+    return megatron_to_hf(dense, model.hf_layout()) | moe_to_hf(moe)
 
 
 def from_hf(tensors: Mapping[str, torch.Tensor], model: GPTModelConfig) -> dict[str, torch.Tensor]:
     """HF-named tensors → full Megatron-named tensors (inverse of :func:`to_hf`)."""
     check_hf_compatible(model)
-    return hf_to_megatron(tensors, model.hf_layout())
+    moe = {n: t for n, t in tensors.items() if model.is_moe and is_moe_hf_name(n)}
+    dense = {n: t for n, t in tensors.items() if n not in moe}
+    return hf_to_megatron(dense, model.hf_layout()) | moe_from_hf(moe)
 
 
 def hf_names(trainer: MegatronTrainer, megatron_names: Sequence[str]) -> dict[str, list[str]]:

@@ -1,11 +1,13 @@
 """Configuration of the Megatron trainer: the model's architecture and the training settings.
 
 :class:`GPTModelConfig` describes a Llama/Qwen-style decoder (RMSNorm, SwiGLU, rotary
-positions, grouped-query attention, optional biases and tied embeddings) in the terms both
-Megatron's ``TransformerConfig`` and a Hugging Face ``config.json`` use, so one object
-builds the model, names its parameters for the weight sync and reads or writes a
-checkpoint. :class:`MegatronTrainConfig` holds the optimizer (Megatron's
-``OptimizerConfig`` names), batching and loss settings. Pure data; no Megatron import.
+positions, grouped-query attention, optional biases and tied embeddings), dense or with a
+mixture-of-experts MLP in every layer (Qwen-MoE style: a top-k router over routed SwiGLU
+experts, no shared expert), in the terms both Megatron's ``TransformerConfig`` and a
+Hugging Face ``config.json`` use, so one object builds the model, names its parameters for
+the weight sync and reads or writes a checkpoint. :class:`MegatronTrainConfig` holds the
+optimizer (Megatron's ``OptimizerConfig`` names), batching and loss settings. Pure data; no
+Megatron import.
 """
 
 from __future__ import annotations
@@ -68,6 +70,13 @@ class GPTModelConfig:
     """Standard deviation of the initial weights."""
     init_seed: int = 1234
     """Seed of the initial weights (drawn unsharded on the CPU: the same for every layout)."""
+    num_experts: int | None = None
+    """Routed experts of every layer's MLP (Megatron's ``num_moe_experts``, HF
+    ``num_experts``); None: a dense MLP."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (HF ``num_experts_per_tok``); MoE models only."""
+    moe_ffn_hidden_size: int | None = None
+    """Width of one expert's MLP (HF ``moe_intermediate_size``); None: ``ffn_hidden_size``."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
@@ -95,6 +104,20 @@ class GPTModelConfig:
                 "position_embedding must be 'rope' or 'learned_absolute', "
                 f"got {self.position_embedding!r}"
             )
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.num_experts is not None and self.num_experts < 1:
+            raise ValueError(f"GPTModelConfig.num_experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.moe_router_topk <= (self.num_experts or self.moe_router_topk):
+            raise ValueError(
+                f"GPTModelConfig.moe_router_topk must be in [1, num_experts], got "
+                f"{self.moe_router_topk} for {self.num_experts} experts"
+            )
+        if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size < 1:
+            raise ValueError(
+                f"GPTModelConfig.moe_ffn_hidden_size must be >= 1, got {self.moe_ffn_hidden_size}"
+            )
 
     def hf_mismatches(self) -> list[str]:
         """The fields that keep this model from mapping onto an HF Llama/Qwen2 (empty: it
@@ -109,6 +132,11 @@ class GPTModelConfig:
         if self.add_bias_linear:
             out.append("add_bias_linear=True")
         return out
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether every layer's MLP is a mixture of experts."""
+        return self.num_experts is not None
 
     @property
     def query_groups(self) -> int:
