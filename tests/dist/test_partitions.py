@@ -9,8 +9,8 @@ the :class:`~dynarl.runtime.FaultInjector` barrier), restores it once the cut wo
 left, and must end like a kill: ``old``, ``new`` or ``restore``. Then:
 
 - the cut worker left by itself (status 1) within
-  ``(num_missed_heartbeats + 1) × heartbeat_interval_s + collective_timeout_s`` of the cut
-  (the loop's settings lower them so that a case takes seconds);
+  ``(num_missed_heartbeats + 1) × heartbeat_interval_s + collective_timeout_s + 2 s`` of
+  the cut (the loop's settings lower them so that a case takes seconds);
 - every sample was trained exactly once (no manifest violation), the journalled step
   digests and the final trainer checksum equal an uninterrupted run's;
 - nothing is left running (the namespaces' teardown kills nothing: asserted empty);
