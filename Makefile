@@ -9,7 +9,7 @@ ENGINES_STAMP := $(VENV)/.engines-stamp
 export HYPOTHESIS_PROFILE ?= ci
 LINT_PATHS := $(wildcard dynarl tests examples bench)
 
-.PHONY: demo test test-slow test-sglang lint bench venv clean sglang-env
+.PHONY: demo test test-slow test-sglang lint bench venv clean sglang-env chaos
 
 venv: $(STAMP)
 
@@ -67,6 +67,13 @@ test-slow: $(ENGINES_STAMP)
 # environment takes minutes and 3.2 GB to build, and the real half ~10 minutes on 2 cores).
 test-sglang: sglang-env $(ENGINES_STAMP)
 	$(PYTEST) tests/engines/test_sglang_conformance.py tests/engines/test_sglang_role.py
+
+# The durable job across three network namespaces under seeded faults (root: it makes
+# them); prints faults, outcomes, samples lost/duplicated, recovery times, RSS and fds.
+CHAOS_S ?= 600
+CHAOS_SEED ?= 1
+chaos: $(STAMP)
+	$(PY) tests/chaos.py --seconds $(CHAOS_S) --seed $(CHAOS_SEED)
 
 bench: $(ENGINES_STAMP)
 	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done

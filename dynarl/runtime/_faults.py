@@ -112,6 +112,12 @@ class FaultInjector:
         """Add ``fault``; it fires at the next ``fault.times`` steps of its phase."""
         self._armed.append(_Armed(fault=fault, left=fault.times))
 
+    def disarm(self) -> list[Fault]:
+        """Drop every armed fault that has fires left; those dropped."""
+        left = [entry.fault for entry in self._armed if entry.left > 0]
+        self._armed.clear()
+        return left
+
     async def at(self, phase: str, *, deadline: float, clock: Clock | None = None) -> Fault | None:
         """Apply the fault armed for ``phase`` if any and return it (message faults are
         the caller's to apply); ``deadline`` is the lease's, on ``clock`` (default: the

@@ -59,9 +59,11 @@ def case(kind: str, step: str, device: int, expected: str | None) -> dict[str, o
 
 # Device 1 is the donor of a workload move and the rank a P2P/reboot trainer grows onto;
 # device 2 holds the trainer's only copy of its state until the move commits.
-FAST = {
-    "workload": ("p2p", [case("workload", "drain", 1, "old")]),
-    "p2p": ("p2p", [case("p2p", "transfer", 2, "restore")]),
+FAST = {  # one case per migration kind; one job for the two a P2P trainer's moves reach
+    "workload-p2p": (
+        "p2p",
+        [case("workload", "drain", 1, "old"), case("p2p", "transfer", 2, "restore")],
+    ),
     "reboot": ("reboot", [case("reboot", "restart", 2, "restore")]),
 }
 

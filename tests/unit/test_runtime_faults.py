@@ -48,3 +48,24 @@ def test_a_fault_names_a_phase_and_a_kill_names_a_device() -> None:
         Fault(phase="p2p.commit", action=FaultAction.KILL)
     with pytest.raises(ValueError, match="times"):
         Fault(phase="p2p.commit", times=0)
+
+
+def test_a_cut_goes_through_the_hook_and_disarm_drops_what_did_not_fire() -> None:
+    cut: list[int] = []
+    injector = FaultInjector([Fault(phase="p2p.verify", action=FaultAction.CUT, device=2)])
+
+    async def main() -> None:
+        far = time.monotonic() + 60
+        with pytest.raises(InjectedFault, match="no network hook"):
+            await injector.at("p2p.verify", deadline=far)
+        injector.cut = cut.append
+        injector.arm(Fault(phase="p2p.verify", action=FaultAction.CUT, device=2))
+        injector.arm(Fault(phase="p2p.commit", times=2))
+        assert await injector.at("p2p.verify", deadline=far) is not None
+        assert injector.disarm() == [Fault(phase="p2p.commit", times=2)]
+        assert await injector.at("p2p.commit", deadline=far) is None
+
+    asyncio.run(main())
+    assert cut == [2]
+    with pytest.raises(ValueError, match="a cut fault needs a device"):
+        Fault(phase="p2p.verify", action=FaultAction.CUT)
