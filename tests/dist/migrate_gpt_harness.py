@@ -44,19 +44,33 @@ def build_model(spec: LayoutSpec, groups: LayoutGroups, *, init: bool) -> torch.
     from megatron.core.transformer import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-        use_cpu_initialization=True, perform_initialization=init, params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_dropout_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, apply_rope_fusion=False,
-        tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        use_cpu_initialization=True,
+        perform_initialization=init,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        tensor_model_parallel_size=spec.tp,
+        pipeline_model_parallel_size=spec.pp,
     )
     torch.manual_seed(1234)
     coords = spec.coords(_my_rank(groups))
     return GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-        max_sequence_length=32, pg_collection=process_group_collection(groups),
-        pre_process=coords[2] == 0, post_process=coords[2] == spec.pp - 1,
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=32,
+        pg_collection=process_group_collection(groups),
+        pre_process=coords[2] == 0,
+        post_process=coords[2] == spec.pp - 1,
     )
 
 
@@ -74,7 +88,9 @@ class GPTTrainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.layout: Layout | None = None
         self.groups: LayoutGroups | None = None
-        self._pending: tuple[torch.nn.Module, torch.optim.Optimizer, Layout, LayoutGroups] | None = None
+        self._pending: (
+            tuple[torch.nn.Module, torch.optim.Optimizer, Layout, LayoutGroups] | None
+        ) = None
 
     # -- starting a layout from scratch or from a full-state checkpoint -----------------
     def start(
@@ -105,7 +121,9 @@ class GPTTrainer:
         if self.model is None or self.layout is None:
             return {}
         tensors = state_tensors(self.model, self.optimizer, init_state=False)
-        return {p.shard: p.view(tensors[p.shard.tensor]) for p in self.layout.placements_on(self.rank)}
+        return {
+            p.shard: p.view(tensors[p.shard.tensor]) for p in self.layout.placements_on(self.rank)
+        }
 
     def allocate(self, layout: Layout, groups: LayoutGroups | None) -> dict[Shard, torch.Tensor]:
         if groups is None:
@@ -237,7 +255,14 @@ def gather_full_state(trainer: GPTTrainer) -> dict[str, np.ndarray]:
     pieces = []
     if trainer.layout is not None:
         for shard, view in trainer.shard_views().items():
-            pieces.append((shard.tensor, shard.region.offsets, shard.region.sizes, view.detach().clone().numpy()))
+            pieces.append(
+                (
+                    shard.tensor,
+                    shard.region.offsets,
+                    shard.region.sizes,
+                    view.detach().clone().numpy(),
+                )
+            )
         specs = {t.name: t.shape for t in trainer.layout.tensors}
     else:
         specs = {}
@@ -249,7 +274,9 @@ def gather_full_state(trainer: GPTTrainer) -> dict[str, np.ndarray]:
     full = {name: np.full(shape, np.nan, dtype=np.float32) for name, shape in shapes.items()}
     for _, rank_pieces in gathered:
         for name, offsets, sizes, data in rank_pieces:
-            full[name][tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True)) or ...] = data
+            full[name][
+                tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True)) or ...
+            ] = data
     return full
 
 

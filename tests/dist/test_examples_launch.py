@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 TIMEOUT_S = 240
 
 
+@pytest.mark.slow  # test_netns_job runs two torchrun nodes in make test
 def test_the_two_node_torchrun_example_runs() -> None:
     script = ROOT / "examples" / "torchrun_two_node.sh"
     env = dict(os.environ, PYTHON=sys.executable)

@@ -24,9 +24,9 @@ import pytest
 from reference_support import SMALL_JOB, shared_cache
 
 from dynarl.demo._async_records import AsyncConfig, AsyncRunResult
-from dynarl.demo._tolerance import compare_curves, group_means
 from dynarl.demo._experiment import prepare_setup
 from dynarl.demo._hybrid_job import run_async
+from dynarl.demo._tolerance import compare_curves, group_means
 from dynarl.runtime._worker_protocol import decode_versions
 
 pytestmark = pytest.mark.dist

@@ -58,9 +58,10 @@ def ddp_range_check(rank: int, trainer: Any, spec: Any) -> list[str]:
     """Megatron DDP (distributed optimizer) on the layout's own groups vs our layout."""
     import warnings
 
+    from migrate_gpt_harness import build_model
+
     from dynarl.migrate import BufferParam, dp_buffer, dp_param_ranges, trainer_layout
     from dynarl.migrate._megatron_layout import param_names, param_specs, process_group_collection
-    from migrate_gpt_harness import build_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -84,13 +85,22 @@ def ddp_range_check(rank: int, trainer: Any, spec: Any) -> list[str]:
         for param, ranges in bucket["param_map"].items():
             theirs[names[id(param)]] = (ranges["param"].start, ranges["param"].end)
     _, dp_rank, _ = spec.coords(rank)
-    ours = dp_param_ranges(dp_buffer([BufferParam(name=n, numel=k) for n, k in numels], dp=spec.dp, distributed_optimizer=True, bucket_size=None), dp_rank)
+    ours = dp_param_ranges(
+        dp_buffer(
+            [BufferParam(name=n, numel=k) for n, k in numels],
+            dp=spec.dp,
+            distributed_optimizer=True,
+            bucket_size=None,
+        ),
+        dp_rank,
+    )
     problems = [] if ours == theirs else [f"dp ranges differ: ours {ours} megatron {theirs}"]
     layout = trainer_layout(specs, dataclasses.replace(spec, distributed_optimizer=True))
     shapes = layout.local_shapes_on(rank)
     for name, (start, end) in theirs.items():
         if shapes.get(f"{name}/exp_avg") != (end - start,):
-            problems.append(f"{name}: layout exp_avg {shapes.get(name + '/exp_avg')} != megatron range {end - start}")
+            layout = shapes.get(name + "/exp_avg")
+            problems.append(f"{name}: layout exp_avg {layout} != megatron range {end - start}")
     return problems
 
 
@@ -116,7 +126,9 @@ def worker(rank: int, world: int, port: int, ckpt_dir: str, scenario: str) -> di
 
     specs = _specs()
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=dist.PrefixStore("world", store), rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("world", store), rank=rank, world_size=world
+    )
     out: dict[str, Any] = {"problems": []}
     problems: list[str] = out["problems"]
 
@@ -139,13 +151,23 @@ def worker(rank: int, world: int, port: int, ckpt_dir: str, scenario: str) -> di
         if step == abort_at:
             before = gather_full_state(trainer)
             dst = trainer_layout(model_specs, specs["L1"])
-            m = P2PMigration(migration_id="aborted", src=trainer.layout, dst=dst, rank=rank, store=store, epoch=epoch, trainer=trainer)
+            m = P2PMigration(
+                migration_id="aborted",
+                src=trainer.layout,
+                dst=dst,
+                rank=rank,
+                store=store,
+                epoch=epoch,
+                trainer=trainer,
+            )
             epoch += 1
             forward = [m.prepare(), m.transfer(), m.verify()]
             back = [m.abort("test abort"), m.rollback()]
             if not all(o.ok for o in forward + back) or m.rollback() != back[1] or m.commit().ok:
                 problems.append(f"abort path: {forward + back}")
-            problems += [f"abort changed {n}" for n in same_state(before, gather_full_state(trainer))]
+            problems += [
+                f"abort changed {n}" for n in same_state(before, gather_full_state(trainer))
+            ]
         target = reshard.get(step)
         if target is not None:
             before = gather_full_state(trainer)
@@ -154,21 +176,40 @@ def worker(rank: int, world: int, port: int, ckpt_dir: str, scenario: str) -> di
                 torch.save(before, path)
             dist.barrier()
             dst = trainer_layout(model_specs, specs[target])
-            m = P2PMigration(migration_id=f"reshard-{step}", src=trainer.layout, dst=dst, rank=rank, store=store, epoch=epoch, trainer=trainer)
+            m = P2PMigration(
+                migration_id=f"reshard-{step}",
+                src=trainer.layout,
+                dst=dst,
+                rank=rank,
+                store=store,
+                epoch=epoch,
+                trainer=trainer,
+            )
             epoch += 1
             outcomes = [m.prepare(), m.transfer(), m.verify(), m.commit()]
             if not all(o.ok for o in outcomes) or m.commit() != outcomes[3]:
                 problems.append(f"reshard {target}: {outcomes}")
             m.close()
-            problems += [f"reshard to {target} changed {n}" for n in same_state(before, gather_full_state(trainer))]
+            problems += [
+                f"reshard to {target} changed {n}"
+                for n in same_state(before, gather_full_state(trainer))
+            ]
             if trainer.model is not None:
                 problems += sharded_state_dict_mismatches(trainer.model, trainer.layout, rank)
             if restarted is not None:
                 restarted.close()
             restarted = GPTTrainer(rank, store)
-            restarted.start(specs[target], epoch=epoch, full=torch.load(path, weights_only=False), specs=model_specs)
+            restarted.start(
+                specs[target],
+                epoch=epoch,
+                full=torch.load(path, weights_only=False),
+                specs=model_specs,
+            )
             epoch += 1
-            problems += [f"restart from checkpoint differs in {n}" for n in same_state(before, gather_full_state(restarted))]
+            problems += [
+                f"restart from checkpoint differs in {n}"
+                for n in same_state(before, gather_full_state(restarted))
+            ]
         loss = trainer.train_step(step)
         losses.append(loss)
         if restarted is not None:
@@ -177,9 +218,14 @@ def worker(rank: int, world: int, port: int, ckpt_dir: str, scenario: str) -> di
                 first_after_commit.append((loss, fresh))
             if loss != fresh:
                 problems.append(f"step {step}: resharded loss {loss} != restarted {fresh}")
-            problems += [f"step {step}: state differs in {n}" for n in same_state(gather_full_state(trainer), gather_full_state(restarted))]
+            problems += [
+                f"step {step}: state differs in {n}"
+                for n in same_state(gather_full_state(trainer), gather_full_state(restarted))
+            ]
         elif loss != ref_losses[step]:
-            problems.append(f"step {step}: loss {loss} != reference {ref_losses[step]} before any reshard")
+            problems.append(
+                f"step {step}: loss {loss} != reference {ref_losses[step]} before any reshard"
+            )
     trainer.close()
     if restarted is not None:
         restarted.close()
@@ -212,6 +258,7 @@ def test_megatron_gpt_reshards_bitwise_while_training(spawn_ranks: Any, tmp_path
     assert results[0]["losses"][13] is not None and results[0]["losses"][14] is None
 
 
+@pytest.mark.slow  # make test keeps the TP/DP reshard above; bench/reshard.py runs PP
 def test_megatron_gpt_pipeline_layouts_reshard_bitwise(spawn_ranks: Any, tmp_path: Any) -> None:
     results = spawn_ranks(worker, 4, str(tmp_path), "pp", timeout_s=280)
     check(results, "pp")

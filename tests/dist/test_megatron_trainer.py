@@ -101,8 +101,8 @@ def worker(rank: int, world: int, port: int, url: str, hf_dir: str, tmp: str) ->
         model_config_from_hf,
         sync_weights,
     )
-    from dynarl.backends.sglang._client import ClientConfig
     from dynarl.backends.sglang import SGLangClient, WeightSyncConfig
+    from dynarl.backends.sglang._client import ClientConfig
     from dynarl.errors import BackendError
     from dynarl.migrate import P2PMigration
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from test_reshard_executor import global_tensor, model, same_bits
 from torch.distributed import distributed_c10d as c10d
 
 from dynarl.migrate import (
@@ -28,7 +29,6 @@ from dynarl.migrate import (
     Step,
     trainer_layout,
 )
-from test_reshard_executor import global_tensor, model, same_bits
 
 pytestmark = pytest.mark.dist
 
@@ -43,21 +43,31 @@ class TensorTrainer:
         self.rank, self.layout = rank, layout
         self.tensors = self._fresh(layout)
         for p in layout.placements_on(rank):
-            p.view(self.tensors[p.shard.tensor]).copy_(full[p.shard.tensor][p.shard.region.slices() or ...])
+            p.view(self.tensors[p.shard.tensor]).copy_(
+                full[p.shard.tensor][p.shard.region.slices() or ...]
+            )
         self.pending: dict[str, torch.Tensor] | None = None
         self.alias = False
         self.discarded = 0
 
     def _fresh(self, layout: Layout) -> dict[str, torch.Tensor]:
         specs = layout.tensor_map()
-        return {t: torch.full(s, float("nan")).to(getattr(torch, specs[t].dtype)) for t, s in layout.local_shapes_on(self.rank).items()}
+        return {
+            t: torch.full(s, float("nan")).to(getattr(torch, specs[t].dtype))
+            for t, s in layout.local_shapes_on(self.rank).items()
+        }
 
     def shard_views(self) -> dict[Shard, torch.Tensor]:
-        return {p.shard: p.view(self.tensors[p.shard.tensor]) for p in self.layout.placements_on(self.rank)}
+        return {
+            p.shard: p.view(self.tensors[p.shard.tensor])
+            for p in self.layout.placements_on(self.rank)
+        }
 
     def allocate(self, layout: Layout, groups: LayoutGroups | None) -> dict[Shard, torch.Tensor]:
         self.pending = self._fresh(layout)
-        views = {p.shard: p.view(self.pending[p.shard.tensor]) for p in layout.placements_on(self.rank)}
+        views = {
+            p.shard: p.view(self.pending[p.shard.tensor]) for p in layout.placements_on(self.rank)
+        }
         if self.alias:  # a broken allocation: two shards of equal shape share memory
             shards = [s for s, v in views.items() if v.dim() == 2]
             for s in shards[1:]:
@@ -78,7 +88,10 @@ class TensorTrainer:
 
 
 def holds(trainer: TensorTrainer, full: dict[str, torch.Tensor]) -> bool:
-    return all(same_bits(v, full[s.tensor][s.region.slices() or ...]) for s, v in trainer.shard_views().items())
+    return all(
+        same_bits(v, full[s.tensor][s.region.slices() or ...])
+        for s, v in trainer.shard_views().items()
+    )
 
 
 def dynarl_groups() -> list[str]:
@@ -95,7 +108,16 @@ def scenario_worker(rank: int, world: int, port: int) -> dict[str, Any]:
     def migration(name: str, trainer: TensorTrainer, **kw: Any) -> P2PMigration:
         nonlocal epoch
         epoch += 1
-        return P2PMigration(migration_id=name, src=trainer.layout, dst=dst, rank=rank, store=store, epoch=epoch, trainer=trainer, **kw)
+        return P2PMigration(
+            migration_id=name,
+            src=trainer.layout,
+            dst=dst,
+            rank=rank,
+            store=store,
+            epoch=epoch,
+            trainer=trainer,
+            **kw,
+        )
 
     for abort_after in (Step.PREPARE, Step.TRANSFER, Step.VERIFY):
         trainer = TensorTrainer(rank, src, full)
@@ -108,10 +130,15 @@ def scenario_worker(rank: int, world: int, port: int) -> dict[str, Any]:
                 break
         aborted, rolled = m.abort("test"), m.rollback()
         out[str(abort_after)] = {
-            "forward_ok": ok, "aborted": aborted.ok, "rolled_back": rolled.ok,
-            "old_intact": holds(trainer, full), "groups_left": dynarl_groups(),
-            "commit_refused": not m.commit().ok, "replay": m.rollback() == rolled,
-            "phase": m.state.phase, "discarded": trainer.discarded,
+            "forward_ok": ok,
+            "aborted": aborted.ok,
+            "rolled_back": rolled.ok,
+            "old_intact": holds(trainer, full),
+            "groups_left": dynarl_groups(),
+            "commit_refused": not m.commit().ok,
+            "replay": m.rollback() == rolled,
+            "phase": m.state.phase,
+            "discarded": trainer.discarded,
         }
 
     trainer = TensorTrainer(rank, src, full)
@@ -119,7 +146,13 @@ def scenario_worker(rank: int, world: int, port: int) -> dict[str, Any]:
     m = migration("bad-checksum", trainer)
     prepared, transferred, verified = m.prepare(), m.transfer(), m.verify()
     rolled = m.rollback()
-    out["bad_checksum"] = {"transfer_ok": prepared.ok and transferred.ok, "verify": verified.ok, "detail": verified.detail, "rolled_back": rolled.ok, "old_intact": holds(trainer, full)}
+    out["bad_checksum"] = {
+        "transfer_ok": prepared.ok and transferred.ok,
+        "verify": verified.ok,
+        "detail": verified.detail,
+        "rolled_back": rolled.ok,
+        "old_intact": holds(trainer, full),
+    }
 
     now = [0.0]
     trainer = TensorTrainer(rank, src, full)
@@ -127,12 +160,26 @@ def scenario_worker(rank: int, world: int, port: int) -> dict[str, Any]:
     first = [m.prepare().ok, m.transfer().ok]
     now[0] = 1e9
     late = m.verify()
-    out["lease"] = {"first": first, "late": (late.ok, late.detail), "again": m.verify() == late, "rolled_back": m.rollback().ok, "old_intact": holds(trainer, full)}
+    out["lease"] = {
+        "first": first,
+        "late": (late.ok, late.detail),
+        "again": m.verify() == late,
+        "rolled_back": m.rollback().ok,
+        "old_intact": holds(trainer, full),
+    }
 
     trainer = TensorTrainer(rank, src, full)
     m = migration("commit", trainer)
     committed = asyncio.run(m.migrate(dst.ranks))
-    out["commit"] = {"step": str(committed.step), "ok": committed.ok, "new_exact": holds(trainer, full), "layout": trainer.layout.name, "replay": m.commit() == committed, "abort_refused": not m.abort().ok, "groups_left": dynarl_groups()}
+    out["commit"] = {
+        "step": str(committed.step),
+        "ok": committed.ok,
+        "new_exact": holds(trainer, full),
+        "layout": trainer.layout.name,
+        "replay": m.commit() == committed,
+        "abort_refused": not m.abort().ok,
+        "groups_left": dynarl_groups(),
+    }
     if getattr(trainer, "groups", None) is not None:
         trainer.groups.close()
     out["groups_at_end"] = dynarl_groups()
@@ -145,7 +192,11 @@ def test_p2p_migration_aborts_verifies_and_commits(spawn_ranks: Any) -> None:
         for step in ("prepare", "transfer", "verify"):
             a = r[step]
             assert a["forward_ok"] and a["aborted"] and a["rolled_back"], (rank, step, a)
-            assert a["old_intact"] and a["groups_left"] == [] and a["discarded"] == 1, (rank, step, a)
+            assert a["old_intact"] and a["groups_left"] == [] and a["discarded"] == 1, (
+                rank,
+                step,
+                a,
+            )
             assert a["commit_refused"] and a["replay"] and a["phase"] == "rolled_back"
         bad = r["bad_checksum"]
         assert bad["transfer_ok"] and not bad["verify"] and bad["rolled_back"] and bad["old_intact"]

@@ -4,8 +4,9 @@ the static run's within a stated statistical tolerance (issue 6 point 5, last cl
 The same small job (the calculator task, two worker processes, ``deterministic=False``:
 decoding is not batch-invariant, so the runs are not bitwise equal) runs under the static
 split and under dynarl with a scheduler that moves devices mid-rollout. Their manifests
-(sample ids, update order) still match; rewards: the mean prompt-group reward over every step, |Δ| ≤ 3·SE + 0.02; losses: the
-per-step losses, |Δ| ≤ 3·SE (no margin) — ``dynarl.backends.reference.compare_curves``.
+(sample ids, update order) still match; rewards: the mean prompt-group reward over every
+step, |Δ| ≤ 3·SE + 0.02; losses: the per-step losses, |Δ| ≤ 3·SE (no margin) —
+``dynarl.backends.reference.compare_curves``.
 """
 
 from __future__ import annotations

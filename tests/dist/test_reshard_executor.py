@@ -58,7 +58,14 @@ CASES = [
     (spec((0, 1), 1), spec((0, 1, 2, 3), 1, pp=2, distributed_optimizer=True), 1 << 20, 1 << 20),
     (
         spec((0, 1, 2, 3), 2, param_dtype="bfloat16", master_dtype="float32"),
-        spec((3, 2, 1, 0), 1, distributed_optimizer=True, param_dtype="bfloat16", master_dtype="float32", bucket_size=50),
+        spec(
+            (3, 2, 1, 0),
+            1,
+            distributed_optimizer=True,
+            param_dtype="bfloat16",
+            master_dtype="float32",
+            bucket_size=50,
+        ),
         40,
         1 << 20,
     ),
@@ -74,7 +81,9 @@ def global_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
     return torch.randn(spec.shape, generator=gen).to(getattr(torch, spec.dtype))
 
 
-def locals_for(layout: Layout, rank: int, fill: dict[str, torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], dict[Shard, torch.Tensor]]:
+def locals_for(
+    layout: Layout, rank: int, fill: dict[str, torch.Tensor] | None
+) -> tuple[dict[str, torch.Tensor], dict[Shard, torch.Tensor]]:
     specs = layout.tensor_map()
     tensors = {
         t: torch.full(shape, float("nan")).to(getattr(torch, specs[t].dtype))
@@ -91,7 +100,10 @@ def locals_for(layout: Layout, rank: int, fill: dict[str, torch.Tensor] | None) 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(
-        torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+        torch.equal(
+            a.contiguous().reshape(-1).view(torch.uint8),
+            b.contiguous().reshape(-1).view(torch.uint8),
+        )
     )
 
 
@@ -113,7 +125,11 @@ def reshard_worker(rank: int, world: int, port: int) -> list[dict[str, Any]]:
         if rank in plan.ranks:
             group = build_group(store, name=f"test/{index}", ranks=plan.ranks, rank=rank)
         report = execute_plan(
-            plan, rank=rank, group=group, sources=sources, destinations=destinations,
+            plan,
+            rank=rank,
+            group=group,
+            sources=sources,
+            destinations=destinations,
             config=ExecutorConfig(chunk_bytes=chunk, direct_bytes=direct, timeout_s=30),
         )
         for shard, view in destinations.items():
@@ -121,7 +137,14 @@ def reshard_worker(rank: int, world: int, port: int) -> list[dict[str, Any]]:
         assert all(same_bits(v, before[s]) for s, v in sources.items())
         if group is not None:
             group.close()
-        out.append({"verified": report.verified, "rounds": report.num_rounds, "sent": report.bytes_sent, "moved": plan.bytes_moved})
+        out.append(
+            {
+                "verified": report.verified,
+                "rounds": report.num_rounds,
+                "sent": report.bytes_sent,
+                "moved": plan.bytes_moved,
+            }
+        )
     return out
 
 

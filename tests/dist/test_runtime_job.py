@@ -26,7 +26,7 @@ from dynarl.bus import (
     pack_tokens,
     unpack_tokens,
 )
-from dynarl.runtime import ComponentSpec, RuntimeConfig, Job, JobConfig
+from dynarl.runtime import ComponentSpec, Job, JobConfig, RuntimeConfig
 from dynarl.runtime._faults import Fault, FaultAction
 from dynarl.runtime._worker_protocol import RESUMED
 from dynarl.sched import ComponentProfile, ProfilePoint, SchedulerConfig

@@ -19,10 +19,20 @@ import torch
 from torch.distributed import distributed_c10d
 
 from dynarl.backends.hf_layout import GPTLayout, megatron_to_hf
-from dynarl.backends.sglang import SGLangClient, WeightSyncConfig, close_update_group, open_update_group, plan_weight_sync, push_weights, receive_bucket, checksum_mismatches, expected_checksums
+from dynarl.backends.sglang import (
+    SGLangClient,
+    WeightSyncConfig,
+    checksum_mismatches,
+    close_update_group,
+    expected_checksums,
+    open_update_group,
+    plan_weight_sync,
+    push_weights,
+    receive_bucket,
+)
+from dynarl.backends.sglang._buckets import flatten_bucket
 from dynarl.backends.sglang._server_launcher import SGLangServer, SGLangServerConfig, free_port
 from dynarl.backends.sglang._weight_sync import broadcast_bucket
-from dynarl.backends.sglang._buckets import flatten_bucket
 from dynarl.errors import BackendError
 
 pytestmark = pytest.mark.dist
@@ -96,7 +106,9 @@ def test_bucket_broadcast_between_trainer_and_engine_processes() -> None:
     assert codes == [0, 0]
 
 
-def _fake_config(tmp_path: pathlib.Path, name: str, weights: dict[str, torch.Tensor], tp: int = 1) -> SGLangServerConfig:
+def _fake_config(
+    tmp_path: pathlib.Path, name: str, weights: dict[str, torch.Tensor], tp: int = 1
+) -> SGLangServerConfig:
     path = tmp_path / f"{name}.pt"
     torch.save(weights, path)
     return SGLangServerConfig(
@@ -145,7 +157,9 @@ def test_push_weights_to_two_engines_lands_bit_for_bit(tmp_path: pathlib.Path) -
     assert not distributed_c10d._world.pg_map, "the trainer's group was not destroyed"
 
 
-def test_an_engine_that_refuses_to_join_fails_the_sync_within_the_deadline(tmp_path: pathlib.Path) -> None:
+def test_an_engine_that_refuses_to_join_fails_the_sync_within_the_deadline(
+    tmp_path: pathlib.Path,
+) -> None:
     weights = megatron_to_hf(_megatron(3), LAYOUT)
 
     async def main() -> None:
@@ -153,9 +167,14 @@ def test_an_engine_that_refuses_to_join_fails_the_sync_within_the_deadline(tmp_p
             async with SGLangClient(server.client_config()) as client:
                 plan = plan_weight_sync(weights, engine_tp_sizes=[2], max_bucket_bytes=1 << 20)
                 config = WeightSyncConfig(
-                    master_address="127.0.0.1", master_port=free_port(), backend="gloo", group_timeout_s=2
+                    master_address="127.0.0.1",
+                    master_port=free_port(),
+                    backend="gloo",
+                    group_timeout_s=2,
                 )
-                with pytest.raises(BackendError, match="joins weight-update groups only with tp_size=1"):
+                with pytest.raises(
+                    BackendError, match="joins weight-update groups only with tp_size=1"
+                ):
                     await push_weights([client], weights, plan, config)
                 assert not (await client.end_weight_update()).success  # no session was left open
 

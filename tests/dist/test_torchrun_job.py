@@ -15,8 +15,6 @@ the error named in the logs.
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest

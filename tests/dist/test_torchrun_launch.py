@@ -21,8 +21,8 @@ import pytest
 import standin_job
 
 from dynarl.bus import generate_keys
-from dynarl.runtime.durable._journal_records import Restored
 from dynarl.runtime.durable._journal import read_journal, recover
+from dynarl.runtime.durable._journal_records import Restored
 
 pytestmark = pytest.mark.dist
 
@@ -55,7 +55,9 @@ def torchrun(node: int, port: int, tmp: Path, job_args: list[str]) -> subprocess
         return subprocess.Popen(command, stdout=log, stderr=log, env=env, start_new_session=True)
 
 
-@pytest.mark.parametrize("victim", ["controller", "worker"])
+@pytest.mark.parametrize(
+    "victim", [pytest.param("controller", marks=pytest.mark.slow), "worker"]
+)  # the controller variant (~20 s) runs in make test-slow
 def test_two_torchrun_nodes_over_curve_survive_a_dead_rank(tmp_path: Path, victim: str) -> None:
     authorized = tmp_path / "authorized"
     authorized.mkdir()

@@ -35,6 +35,7 @@ def test_shim_not_applied_when_cuda_exists() -> None:
     assert out == "False False True"
 
 
+@pytest.mark.slow  # every Megatron test in make test runs GPT forward/backward on the shim
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is for CPU-only machines")
 def test_shim_makes_gpt_forward_backward_run_on_cpu() -> None:
     out = _run(

@@ -392,7 +392,7 @@ def test_package_exports_are_sorted_and_complete() -> None:
         assert hasattr(megatron_backend, name)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_megatron_optimizer_paths_reshard_bitwise_with_cuda_types_faked(dtype: str) -> None:
     """tests/megatron_fake_cuda.py in a subprocess (it patches torch process-wide)."""
     script = pathlib.Path(__file__).parent.parent / "megatron_fake_cuda.py"

@@ -37,6 +37,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+@pytest.mark.slow  # ~25 s of training; make demo shows the reward rising too
 def test_grpo_raises_the_reward_on_the_chain_sum_task() -> None:
     config = SmokeConfig()  # 50 supervised warm-up steps, then 12 GRPO steps
     result = run_grpo(config)

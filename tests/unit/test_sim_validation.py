@@ -103,6 +103,7 @@ U_LOW_PLATEAU = 0.985
 T_WINDOW_PLATEAU = 0.995
 
 
+@pytest.mark.slow  # a sweep (~20 s of simulation): make test-slow
 def test_u_low_sweep_loses_at_0_01_against_the_plateau() -> None:
     assert _u_low(0.01) < U_LOW_PLATEAU * min(_u_low(v) for v in (0.1, 0.2, 0.3))
 
@@ -125,6 +126,7 @@ def _t_window(value: float) -> float:
     return result("math-1.5b-64gpu", "dynarl", "t_window", value).throughput
 
 
+@pytest.mark.slow  # a sweep (~20 s of simulation): make test-slow
 @pytest.mark.parametrize("window", [32.0, 64.0])
 def test_t_window_sweep_loses_at_32_and_64_seconds(window: float) -> None:
     assert _t_window(window) < T_WINDOW_PLATEAU * min(_t_window(v) for v in (2.0, 4.0, 8.0))
