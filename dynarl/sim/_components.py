@@ -8,7 +8,9 @@
   what the simulation measures). Seconds per kind come from the workload's
   ``[migration]`` table; concurrent resizes overlap, so a move costs its slowest part;
   P2P resizes copy one replica's state per replica added. A P2P component parked at 0
-  devices (its state in host memory) unparks, or parks, over the host links instead.
+  devices (its state in host memory) unparks, or parks, over the host links instead. A
+  trainer limited to reboots (``[migration] trainer_kind = "reboot"``) pays ``reboot_s``
+  for every resize to a non-zero size, unparking included, and parks over the host links.
 - :func:`migration_bytes`: the bytes a resize moves across devices, per migration kind
   (what the ledger's ``MigrationRecord.bytes_moved`` says for a simulated move).
 - The protocols the simulator and the policies share: :class:`RolloutModel` (the
@@ -154,7 +156,8 @@ def build_nodes(workload: Workload, trainer_dp_sizes: tuple[int, ...] = ()) -> d
     """The scheduler's view of the three components.
 
     Rollout may park (hold no device) once its iteration's samples are done: Stage 2 keeps
-    a replica of any component with items left. The trainer parks when the workload's does."""
+    a replica of any component with items left. The trainer parks when the workload's does,
+    and migrates as ``[migration] trainer_kind`` says (P2P reshard or reboot)."""
     w = workload
     return {
         "rollout": HyperNode(
@@ -181,7 +184,7 @@ def build_nodes(workload: Workload, trainer_dp_sizes: tuple[int, ...] = ()) -> d
         "trainer": HyperNode(
             name="trainer",
             kind=ComponentKind.TRAINER,
-            migration=MigrationKind.P2P,
+            migration=MigrationKind(w.migration.trainer_kind),
             tp=w.trainer.tp,
             min_devices=w.trainer.min_gpus,
             parkable=w.trainer.parkable,
@@ -225,12 +228,16 @@ class ModelledMigrationCost:
         return per_gpu / (self.spec.host_gbps * 1e9)
 
     def resize_seconds(self, resize: Resize) -> float:
-        """Pause of one resize: a park or unpark over the host links, else its kind's."""
-        parking = resize.migration is MigrationKind.P2P and 0 in (
-            resize.old_devices,
-            resize.new_devices,
-        )
-        return self.park_seconds(resize) if parking else self.seconds(resize.migration)
+        """Pause of one resize: a park or unpark over the host links, else its kind's.
+
+        A REBOOT component's park is a save, over the host links like a P2P park; its
+        unpark restarts it under the new devices, a reboot."""
+        kind, old, new = resize.migration, resize.old_devices, resize.new_devices
+        if kind is MigrationKind.P2P:
+            parking = 0 in (old, new)
+        else:
+            parking = kind is MigrationKind.REBOOT and new == 0 < old
+        return self.park_seconds(resize) if parking else self.seconds(kind)
 
     def estimate(self, resizes: tuple[Resize, ...]) -> CostEstimate:
         """The slowest moving resize's seconds; P2P bytes of the replicas added."""
@@ -272,8 +279,9 @@ def migration_bytes(workload: Workload, component: str, old: int, new: int) -> i
     of its TP shard of the state, and the part the distributed optimizer shards over DP
     is re-partitioned for the new DP size, of which the share ``1 - min/max`` (old and
     new DP sizes) changes owner. A trainer parking at 0 devices, or unparking from 0, moves
-    every byte its GPUs hold to or from host memory. Raises ValueError for an unknown
-    component.
+    every byte its GPUs hold to or from host memory. A trainer limited to reboots
+    (``[migration] trainer_kind = "reboot"``) saves every byte its old GPUs hold and loads
+    every byte its new ones hold. Raises ValueError for an unknown component.
     """
     if component not in COMPONENTS:
         raise ValueError(f"unknown component {component!r}")
@@ -285,6 +293,10 @@ def migration_bytes(workload: Workload, component: str, old: int, new: int) -> i
         return int(2.0 * w.model.num_params * added / w.inference.tp)
     state = w.model.state_bytes
     sharded = state * w.model.sharded_state_fraction
+    if w.migration.trainer_kind == "reboot":  # saved from the old GPUs, loaded on the new
+        return int(
+            (state - sharded) * (old + new) / w.trainer.tp + sharded * ((old > 0) + (new > 0))
+        )
     if 0 in (old, new):  # a park or an unpark: every GPU's whole share crosses its host link
         return int((state - sharded) * (old + new) / w.trainer.tp + sharded)
     replicated = (state - sharded) * added / w.trainer.tp

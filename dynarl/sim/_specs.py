@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from dynarl.errors import ConfigValueError
 
@@ -339,6 +340,10 @@ class MigrationSpec:
     host_gbps: float = 50.0
     """Host link of one GPU, GB/s: a parked stage's state crosses it when the stage parks
     or unparks, every GPU over its own link in parallel (PCIe gen5 x16)."""
+    trainer_kind: Literal["p2p", "reboot"] = "p2p"
+    """How the trainer is resized: ``p2p`` (resharded in place, ``p2p_s``) or ``reboot``
+    (a trainer whose layout cannot be resharded: every resize to a non-zero size restarts
+    it, ``reboot_s``; parking saves its state over the host links as a P2P trainer's)."""
 
     def __post_init__(self) -> None:
         owner = "MigrationSpec."
@@ -346,6 +351,10 @@ class MigrationSpec:
         _non_negative(owner, reboot_s=self.reboot_s, weight_sync_s=self.weight_sync_s)
         _non_negative(owner, phase_switch_s=self.phase_switch_s)
         _positive(owner, host_gbps=self.host_gbps)
+        if self.trainer_kind not in ("p2p", "reboot"):
+            raise ConfigValueError(
+                owner, "{trainer_kind} must be 'p2p' or 'reboot'", trainer_kind=self.trainer_kind
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -125,6 +125,7 @@ _WRITTEN_WHEN_SET = {
     ("rollout", "cache_block_tokens"),
     ("rollout", "shared_prefix"),
     ("rollout", "request_overhead_s"),
+    ("migration", "trainer_kind"),
 }
 """Keys added after the shipped files were written: :func:`dump_workload` writes them only
 when they differ from their default, so those files still round-trip byte for byte."""
