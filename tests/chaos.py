@@ -89,7 +89,8 @@ def run_chaos(seconds: float, seed: int, tmp: Path) -> dict[str, Any]:
                 raise RuntimeError(f"workers outlived their controller by {ORPHANS_S} s")
             restarts += 1
         left = [p for h in net.hosts for p in ip("netns", "pids", h.namespace).split()]
-        events = [json.loads(line) for line in (run_dir / "chaos-events.jsonl").open()]
+        lines = (run_dir / "chaos-events.jsonl").read_text().splitlines()
+        events = [json.loads(line) for line in lines]
         result = json.loads((run_dir / "result.json").read_text())
     return summarise(events, result, restarts=restarts, left_running=len(left))
 

@@ -102,7 +102,8 @@ class Events:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        records = [json.loads(line) for line in path.open()] if path.exists() else []
+        lines = path.read_text().splitlines() if path.exists() else []
+        records = [json.loads(line) for line in lines]
         self.attempts = sum(1 for r in records if r["kind"] in ("step", "fault"))
 
     def add(self, **record: object) -> None:

@@ -127,6 +127,7 @@ def test_a_killed_engine_takes_its_worker_out_and_its_requests_finish_elsewhere(
     asyncio.run(main())
 
 
+@pytest.mark.slow  # ~20 s; tests/unit/test_cores.py checks the pinning rules in make test
 def test_a_pinned_job_runs_each_worker_and_its_engine_on_its_own_core(tmp_path: Path) -> None:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
