@@ -163,6 +163,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="tests/chaos.py", description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=600.0, help="run length (default 600)")
     parser.add_argument("--seed", type=int, default=1, help="the fault plan's seed")
+    parser.add_argument("--dir", type=Path, help="keep the run here (default: a temporary one)")
     args = parser.parse_args()
     if args.seconds <= 0:
         parser.error(f"--seconds must be positive, got {args.seconds}")
@@ -170,8 +171,12 @@ def main() -> int:
     if reason is not None:
         sys.stderr.write(f"chaos needs network namespaces: {reason}\n")
         return 2
-    with tempfile.TemporaryDirectory(prefix="dynarl-chaos-") as tmp:
-        summary = run_chaos(args.seconds, args.seed, Path(tmp))
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=False)
+        summary = run_chaos(args.seconds, args.seed, args.dir)
+    else:
+        with tempfile.TemporaryDirectory(prefix="dynarl-chaos-") as tmp:
+            summary = run_chaos(args.seconds, args.seed, Path(tmp))
     sys.stdout.write(report(summary) + "\n")
     return 0 if ok(summary) else 1
 

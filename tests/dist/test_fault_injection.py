@@ -120,6 +120,8 @@ def run_cases(tmp_path: Path, kind: MigrationKind, cases: list[Case]) -> None:
             while run.step < len(cases) + 2:
                 await fault_loop.step(job, run)
             assert job.allocation == BASE
+            same = await job.reallocate(BASE)  # the allocation in force: a durable no-op
+            assert same.ok and same.records == (), same
             report = run.report()
             assert report.ok, report.violations
             return await fault_loop.checksum(job), fault_loop.journal_digests(tmp_path)

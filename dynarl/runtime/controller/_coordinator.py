@@ -140,6 +140,8 @@ class Coordinator:
                 moves = plan_moves(command, self._specs, self._sleeping)
             except ValueError as exc:
                 return self._end(command, False, str(exc), [])
+            if not moves:  # the allocation in force: nothing migrates, nothing is journalled
+                return self._end(command, True, "", [])
             lease = lease_s if lease_s is not None else self._config.lease_s
             drivers = [self._driver(command.decision_id, move, lease) for move in moves]
             names = sorted({move.component for move in moves})
