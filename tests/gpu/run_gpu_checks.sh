@@ -13,12 +13,22 @@
 #    shrunk back (state checksums kept; two GPUs, one per worker), and push_to_engines from
 #    a CUDA trainer to the fake SGLang server (its version and checksums checked), over gloo
 #    (one GPU) and over NCCL (the fake receiving on the second GPU).
+#    test_megatron_cp_gpu.py, test_megatron_vpp_gpu.py: context parallelism and the interleaved pipeline, which
+#    MegatronTrainer does not train (models built with Megatron's APIs on dynarl's layout
+#    groups): CP 2 (bf16, distributed optimizer over dp x cp; needs Transformer Engine)
+#    against CP 1, its layout against sharded_state_dict() and the optimizer's ranges, a P2P
+#    reshard to CP 1 kept bitwise; PP 2 x VPP 2 with the interleaved schedule against PP 1,
+#    each chunk's parameters against pipeline_chunks. One GPU: Megatron's schedule against
+#    MegatronTrainer, and the TE-attention model against it (TE needed).
 # 2. The GPU benchmarks a host of this size can run: `bench/megatron_sync.py --device cuda`.
 #
 # Several NCCL ranks cannot share one GPU, so everything with two NCCL ranks
 # (test_migrate_nccl.py, the two-rank test in test_megatron_gpu.py, the role's reshard and
-# the NCCL push in test_megatron_role_gpu.py, the benchmark above) needs a host with two or
-# more GPUs and reports "skipped" with that reason here. bench/reshard.py is a four-rank
+# the NCCL push in test_megatron_role_gpu.py, the CP 2 and PP 2 x VPP 2 tests in
+# test_megatron_cp_gpu.py, test_megatron_vpp_gpu.py, the benchmark above) needs a host with two or more GPUs and
+# reports "skipped" with that reason here. Tests that need Transformer Engine (context
+# parallelism) report "skipped" with the import error where it does not import;
+# gpu-env.json says whether it did (optional_modules). bench/reshard.py is a four-rank
 # gloo (CPU) benchmark with no NCCL mode; it is not run here.
 #
 # Results under $OUT (default ./gpu-results): gpu-pytest.log, gpu-junit.xml,
@@ -71,6 +81,14 @@ for name in ("megatron.core", "msgspec", "zmq", "aiohttp", "safetensors", "psuti
     except Exception:
         missing.append(name)
 env["missing_modules"] = missing
+optional = {}
+for name in ("transformer_engine",):  # context parallelism (test_megatron_cp_gpu.py)
+    try:
+        module = importlib.import_module(name)
+        optional[name] = str(getattr(module, "__version__", "present"))
+    except Exception as exc:
+        optional[name] = f"missing: {exc!r}"[:200]
+env["optional_modules"] = optional
 json.dump(env, open(sys.argv[1], "w"), indent=1)
 print("environment:", json.dumps(env))
 EOF
