@@ -16,6 +16,7 @@ status 1 when an invariant fails.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import signal
 import statistics
@@ -101,12 +102,16 @@ def summarise(
     """The run's figures from its event records and final result."""
     steps = [e for e in events if e["kind"] == "step"]
     fired = [e for e in steps if e["action"] is not None]
-    kills = [e for e in events if e["kind"] == "fault"]
-    faults = Counter(e["action"] for e in fired) + Counter(e["action"] for e in kills)
+    # A controller kill is recorded before it is armed; it fired when a restart follows.
+    kills = [
+        (e, after)
+        for e, after in itertools.pairwise(events)
+        if e["kind"] == "fault" and after["kind"] == "open"
+    ]
+    faults = Counter(e["action"] for e in fired) + Counter(e["action"] for e, _ in kills)
     outcomes = Counter(e["outcome"] for e in fired) + Counter({"restart": len(kills)})
     recovery = [float(e["recovery_s"]) for e in fired]
-    for kill, opened in zip(kills, [e for e in events if e["kind"] == "open"][1:], strict=False):
-        recovery.append(float(opened["time"]) - float(kill["time"]))
+    recovery += [float(opened["time"]) - float(kill["time"]) for kill, opened in kills]
     digests, checksum = fault_loop.reference(len(result["digests"]))
     opens = [e for e in events if e["kind"] == "open"]
     return {

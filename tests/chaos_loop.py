@@ -120,7 +120,10 @@ async def chaos_step(
 ) -> None:
     """One step: submit, move device 1 to the trainer under ``fault``, heal, recover,
     train (or restore), move it back."""
-    base = job.allocation
+    base = fault_loop.BASE
+    if job.allocation != base:  # a controller killed past a commit point restarts on GROW
+        back = await job.reallocate(base)
+        assert back.ok, back.reason
     step = run.step
     tickets = fault_loop.submit(job, run)
     await asyncio.sleep(0.2)  # generations in flight on both engines
