@@ -5,9 +5,11 @@ the Python allocations of its own process and of every process it starts afterwa
 job's workers, through a ``sitecustomize`` put first on ``PYTHONPATH`` that handles
 SIGUSR2). :meth:`MemoryTrace.take` acts here and signals the given children: the first
 call starts ``tracemalloc`` (not at start-up: tracing torch's import would outlast the
-workers' start timeout), every later one dumps a snapshot to ``DIR``.
+workers' start timeout), every later one collects garbage and dumps a snapshot to
+``DIR`` (what is left is live, not cycles awaiting the collector).
 :meth:`MemoryTrace.report` compares each process's first and last snapshots by
-traceback (``DIR/report.txt``) and writes the RSS samples per process (``DIR/rss.json``).
+traceback and lists the sites that grew at every snapshot, a leak's signature
+(``DIR/report.txt``), and writes the RSS samples per process (``DIR/rss.json``).
 With ``DYNARL_SOAK_TRACE_MODE=malloc`` each call dumps glibc's heap counters
 (``mallinfo2``) instead, reported per process. Without the variable
 :func:`memory_trace` returns None and nothing changes. A debugging aid, not a test: it
@@ -21,6 +23,7 @@ import os
 import signal
 import tracemalloc
 from collections.abc import Iterable, Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,7 @@ FRAMES = 12
 """Frames kept per traced allocation."""
 
 _SITE = """\
-import ctypes, json, os, signal, tracemalloc
+import ctypes, gc, json, os, signal, tracemalloc
 _count = [0]
 class _Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in "{fields}".split()]
@@ -41,6 +44,7 @@ def _malloc():
     return {{n: getattr(info, n) for n in "{fields}".split()}}
 def _trace(signum, frame):
     _count[0] += 1
+    gc.collect()
     name = os.path.join({directory!r}, "%d-%03d" % (os.getpid(), _count[0]))
     if {mode!r} == "malloc":
         with open(name + ".malloc", "w") as out:
@@ -93,8 +97,10 @@ class MemoryTrace:
                     continue
 
     def report(self, samples: Sequence[ResourceSample], *, top: int = 15) -> str:
-        """Per process, the ``top`` allocation sites that grew most between its first and
-        last snapshot; also written with the RSS series under the trace directory."""
+        """Per process, its traced Python memory at each snapshot, the ``top`` allocation
+        sites that grew most between its first and last snapshot, and the sites that grew
+        at every snapshot (a leak's signature; its rate in KiB/min); also written with the
+        RSS series under the trace directory."""
         rss = [{"time": s.time, "rss": {str(p): b for p, b in s.rss.items()}} for s in samples]
         (self.directory / "rss.json").write_text(json.dumps(rss))
         lines = self._malloc_report()
@@ -102,19 +108,8 @@ class MemoryTrace:
         for path in sorted(self.directory.glob("*.snap")):
             by_pid.setdefault(path.name.split("-")[0], []).append(path)
         for pid, paths in sorted(by_pid.items()):
-            if len(paths) < 2:
-                continue
-            first = tracemalloc.Snapshot.load(str(paths[0]))
-            last = tracemalloc.Snapshot.load(str(paths[-1]))
-            diff = last.compare_to(first, "traceback")
-            total = sum(d.size_diff for d in diff)
-            lines.append(f"== pid {pid}: traced Python memory {total / 1024:+.0f} KiB")
-            for stat in diff[:top]:
-                lines.append(
-                    f"{stat.size_diff / 1024:+.1f} KiB, {stat.count_diff:+d} blocks "
-                    f"(now {stat.size / 1024:.0f} KiB)"
-                )
-                lines.extend(f"    {line}" for line in stat.traceback.format(limit=FRAMES))
+            if len(paths) >= 2:
+                lines.extend(_python_report(pid, paths, top))
         text = "\n".join(lines)
         (self.directory / "report.txt").write_text(text)
         return text
@@ -131,3 +126,34 @@ class MemoryTrace:
             free = [i["fordblks"] // 1024 for i in infos]
             lines.append(f"== pid {pid}: malloc in use {used} KiB, free in arenas {free} KiB")
         return lines
+
+
+def _python_report(pid: str, paths: Sequence[Path], top: int) -> list[str]:
+    """One process's part of :meth:`MemoryTrace.report` (snapshots in time order)."""
+    snapshots = [tracemalloc.Snapshot.load(str(path)) for path in paths]
+    sizes = [{s.traceback: s.size for s in snap.statistics("traceback")} for snap in snapshots]
+    minutes = max((paths[-1].stat().st_mtime - paths[0].stat().st_mtime) / 60, 1e-9)
+    totals = [sum(by_site.values()) // 1024 for by_site in sizes]
+    lines = [f"== pid {pid}: traced Python memory at each snapshot {totals} KiB"]
+    diff = snapshots[-1].compare_to(snapshots[0], "traceback")
+    lines.append(f"-- grew most, first to last snapshot ({minutes:.1f} min):")
+    for stat in diff[:top]:
+        lines.append(
+            f"{stat.size_diff / 1024:+.1f} KiB, {stat.count_diff:+d} blocks "
+            f"(now {stat.size / 1024:.0f} KiB)"
+        )
+        lines.extend(f"    {line}" for line in stat.traceback.format(limit=FRAMES))
+    if len(snapshots) < 3:
+        return lines
+    series = {site: [by_site.get(site, 0) for by_site in sizes] for site in sizes[-1]}
+    steady = [
+        (site, sizes_) for site, sizes_ in series.items()
+        if all(a < b for a, b in pairwise(sizes_))
+    ]  # fmt: skip
+    steady.sort(key=lambda item: item[1][0] - item[1][-1])
+    lines.append(f"-- grew at every snapshot ({len(steady)} sites):")
+    for site, sizes_ in steady[:top]:
+        rate = (sizes_[-1] - sizes_[0]) / 1024 / minutes
+        lines.append(f"{rate:+.1f} KiB/min (now {sizes_[-1] / 1024:.0f} KiB)")
+        lines.extend(f"    {line}" for line in site.format(limit=FRAMES))
+    return lines

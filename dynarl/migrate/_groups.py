@@ -10,11 +10,19 @@ accept it. Non-members do nothing. The same code builds Gloo and NCCL groups.
 
 Runs on every member rank, in its trainer thread (the calls block until all members have
 joined, at most ``timeout``).
+
+torch's collective flight recorder keeps a status entry for every process group a process
+ever built and never drops it, and every layout epoch builds new groups: a job that
+reshards every few seconds would grow without bound. :func:`build_group` therefore turns the
+recorder off for its process (``TORCH_FR_BUFFER_SIZE=0``) unless that variable is set
+already, before the first group is built; set it to record collectives for debugging, at
+the cost of that growth (a few hundred bytes per group).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -90,7 +98,8 @@ def build_group(
     backend: str = "gloo",
     timeout: timedelta = timedelta(seconds=30),
 ) -> CommGroup:
-    """Build the group ``name`` over global ``ranks``; called by each member ``rank`` only.
+    """Build the group ``name`` over global ``ranks``; called by each member ``rank`` only
+    (the first call in a process turns torch's flight recorder off, see the module).
 
     Raises ValueError when ``rank`` is not a member, the ranks repeat, or the backend is not
     ``"gloo"`` or ``"nccl"``; a member that does not join within ``timeout`` makes the
@@ -101,6 +110,7 @@ def build_group(
         raise ValueError(f"group {name}: rank {rank} must be one of distinct ranks {ranks}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"group {name}: backend must be 'gloo' or 'nccl', got {backend!r}")
+    _quiet_flight_recorder()
     start = time.perf_counter()
     prefix = PrefixStore(f"{name}/", store)
     group_rank, size = ranks.index(rank), len(ranks)
@@ -128,6 +138,16 @@ def build_group(
     return CommGroup(
         name=name, ranks=ranks, pg=pg, build_s=elapsed, rendezvous_key=key, store=prefix
     )
+
+
+FLIGHT_RECORDER_VARIABLE = "TORCH_FR_BUFFER_SIZE"
+"""What sizes torch's flight recorder (read once, when the process first records)."""
+
+
+def _quiet_flight_recorder() -> None:
+    """Turn torch's flight recorder off for this process unless the user sized it (see the
+    module docstring); no effect once the recorder exists."""
+    os.environ.setdefault(FLIGHT_RECORDER_VARIABLE, "0")
 
 
 def _register(

@@ -2,15 +2,20 @@
 the durable job of :mod:`fault_loop` trains a step every DYNARL_SOAK_STEP_S seconds (1 by
 default) and moves device 1 between the rollout and the trainer every DYNARL_SOAK_MOVE_S
 seconds (3 by default: a workload migration plus a P2P reshard), with a checkpoint every
-five steps. After the warm-up the
-whole process tree (controller and workers) must grow by less than 1 MB/min, and file
+five steps. After the warm-up (a fifth of the run) each process (this one, the
+controller, and each worker) must grow by less than :data:`MAX_GROWTH` of RSS, and file
 descriptors, sockets, processes and process groups must not grow while it runs (sampled
 on the starting allocation); once the job is closed they are all back at their baseline
-from before it started. With DYNARL_SOAK_TRACE=DIR the Python allocations of the test
-process and the workers are traced (:mod:`soak_trace`) from the end of the warm-up on:
-snapshots half-way and at the end, compared by traceback in DIR/report.txt (with
-DYNARL_SOAK_TRACE_MODE=malloc: glibc's heap in use and free, per process). The log
-names each process's RSS growth.
+from before it started. The ledger keeps only the last :data:`LEDGER_WINDOW` round and
+observation records in memory (4096 by default: 34 minutes of a round a second), so that
+its window is full by the end of the warm-up and what the soak measures is growth, not a
+bounded window filling. With
+DYNARL_SOAK_TRACE=DIR the Python allocations of the test process and the workers are traced
+(:mod:`soak_trace`) from the end of the warm-up on: snapshots every eight samples and at
+the end, compared by traceback in DIR/report.txt (with DYNARL_SOAK_TRACE_MODE=malloc:
+glibc's heap in use and free, per process). The log's last line gives each process's RSS
+growth in KiB/min. The bound is set for the default 600 s: a shorter run measures mostly
+the warm-up (a 300 s run saw twice the growth).
 
     DYNARL_SOAK_S=120 .venv/bin/python -m pytest -m slow tests/soak/test_migration_soak.py \\
         -o log_cli=true --log-cli-level=WARNING
@@ -19,6 +24,7 @@ names each process's RSS growth.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -45,6 +51,15 @@ pytestmark = pytest.mark.slow
 DURATION_S = float(os.environ.get("DYNARL_SOAK_S", "600"))
 MOVE_S = float(os.environ.get("DYNARL_SOAK_MOVE_S", "3"))
 STEP_S = float(os.environ.get("DYNARL_SOAK_STEP_S", "1"))
+TRACE_AT = (12, 20, 28, 36, 44)
+"""At which sample a trace starts (the first), then takes a snapshot (the others)."""
+LEDGER_WINDOW = 128
+"""Uncommitted-round and observation records the ledger keeps in memory (two a second)."""
+MAX_GROWTH = 150 * 1024
+"""Bytes per minute any one process may grow by after the warm-up. Measured (600 s, twice):
+the controller 89, the worker that moves 105, the trainer's 79-90, the rollout's 3 KiB/min;
+with torch's flight recorder on, the worker that moves grows by about 310 (see
+docs/testing.md). Not 100: the worker that moves is just above it."""
 
 
 @pytest.mark.timeout(DURATION_S + 400)
@@ -59,9 +74,12 @@ def test_migrations_every_few_seconds_do_not_grow(tmp_path: Path) -> None:
     trace = memory_trace()
     samples: list[ResourceSample] = []
     moves: list[bool] = []
+    names = {os.getpid(): "controller"}
 
     async def main() -> tuple[ResourceSample, ResourceSample, int]:
-        async with fault_loop.job(tmp_path) as job:
+        settings = dataclasses.replace(fault_loop.runtime(), ledger_keep_recent=LEDGER_WINDOW)
+        async with fault_loop.job(tmp_path, config=settings) as job:
+            names.update({pid: f"worker/{device}" for device, pid in job.workers().items()})
             config = DurableConfig(
                 source=fault_loop.SOURCE, checkpoint_every=5, max_tokens=fault_loop.MAX_NEW,
                 manifest=ManifestConfig(num_digests_kept=100),
@@ -87,8 +105,8 @@ def test_migrations_every_few_seconds_do_not_grow(tmp_path: Path) -> None:
                     next_sample += every
                     if warm is None and time.monotonic() - began >= DURATION_S / 5:
                         warm = samples[-1]
-                    if trace is not None and len(samples) in (12, 30):
-                        trace.take(samples[-1].pids)  # start tracing, first snapshot
+                    if trace is not None and len(samples) in TRACE_AT:
+                        trace.take(samples[-1].pids)
             assert warm is not None
             if trace is not None:
                 trace.take(probe.sample().pids)
@@ -108,15 +126,20 @@ def test_migrations_every_few_seconds_do_not_grow(tmp_path: Path) -> None:
         steps, len(moves), sum(moves), DURATION_S, growth, warm.num_fds, last.num_fds,
         warm.num_sockets, last.num_sockets,
     )  # fmt: skip
-    per_process = growth_by_process([*samples, last], warmup_s=DURATION_S / 5)
-    logging.getLogger(__name__).warning(
-        "RSS growth by process after warm-up (B/min; the first pid is this process): %s",
-        {pid: round(rate) for pid, rate in per_process.items()},
-    )
+    per_process = {
+        names.get(pid, f"pid {pid}"): rate / 1024
+        for pid, rate in growth_by_process([*samples, last], warmup_s=DURATION_S / 5).items()
+    }
     if trace is not None:
         logging.getLogger(__name__).warning("allocations:\n%s", trace.report(samples))
+    logging.getLogger(__name__).warning(
+        "RSS growth after warm-up, KiB/min: %s (total %+.1f)",
+        ", ".join(f"{name} {rate:+.1f}" for name, rate in sorted(per_process.items())),
+        growth / 1024,
+    )
     assert all(moves), "a migration failed"
-    assert growth < 1024 * 1024, growth
+    over = {name: round(rate, 1) for name, rate in per_process.items() if rate * 1024 >= MAX_GROWTH}
+    assert over == {}, f"grew by {MAX_GROWTH // 1024} KiB/min or more: {over}"
     running = leaks(warm, last)
     assert running == [], running
     assert leaks(baseline, final) == []

@@ -45,6 +45,7 @@ SKIPPED: dict[str, str] = {
     r"\.venv/bin/python examples/workloads/calibrate\.py --fit": "refits for about a minute",
     r"torchrun .*": "needs two machines; examples/torchrun_two_node.sh is the same on loopback",
     r"dynarl keys .*": "run on each node; examples/torchrun_two_node.sh runs it on loopback",
+    r"DYNARL_SOAK_S=\d+ \.venv/bin/python -m pytest -m slow tests/soak/.*": "a 10-minute soak",
 }
 """Commands not run by this test (patterns matching a whole command, its comment cut off),
 and why."""
