@@ -1,4 +1,4 @@
-"""The short chaos run (``make chaos`` runs the long one): the durable job across three
+"""The one-minute chaos run (``make chaos`` runs the long one): the durable job across three
 hosts under seeded worker kills, link cuts and controller kills, fired at event counts
 (markers ``dist`` and ``netns``; ``tests/chaos.py``).
 
@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.netns]
 
 logger = logging.getLogger(__name__)
 
-SECONDS = 120.0
+SECONDS = 60.0
+"""Shorter than the issue's two minutes: make test must stay under 15 minutes on two cores
+(``CHAOS_S=120 make chaos`` is the two-minute run; a minute meets ~8 faults of all kinds)."""
 SEED = 3
 
 
