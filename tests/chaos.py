@@ -6,16 +6,18 @@ namespace until ``S`` seconds have passed; a driver killed by its own controller
 is started again (once its orphaned workers have left) and resumes from the journal and the
 last checkpoint. At the end it checks the invariants over the whole run — the journalled
 step digests and the trainer's checksum equal an uninterrupted run's (computed in this
-process by :func:`fault_loop.reference`), no sample lost or duplicated, no manifest
-violation, nothing left running — and prints the faults by kind, the outcomes, recovery
-times, each process's RSS and fd count at start and end, then one JSON line with
-``faults``, ``samples_lost``, ``samples_duplicated``, ``recovery_s_max`` and the rest. Exit
-status 1 when an invariant fails.
+process by :func:`fault_loop.reference`; with ``--trainer megatron``, the production
+trainer, by running the loop as long without a fault or a move), no sample lost or
+duplicated, no manifest violation, nothing left running — and prints the faults by kind,
+the outcomes, recovery times, each process's RSS and fd count at start and end, then one
+JSON line with ``faults``, ``samples_lost``, ``samples_duplicated``, ``recovery_s_max``
+and the rest. Exit status 1 when an invariant fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import signal
@@ -53,7 +55,7 @@ def _empty(net: Network, within_s: float) -> bool:
     return False
 
 
-def _setup(net: Network, tmp: Path, seconds: float, seed: int) -> Path:
+def _setup(net: Network, tmp: Path, seconds: float, seed: int, megatron: bool) -> Path:
     keys = tmp / "keys"
     for name in ["controller", *(f"worker-{d}" for d in range(len(net.hosts)))]:
         generate_keys(keys, name)
@@ -64,15 +66,19 @@ def _setup(net: Network, tmp: Path, seconds: float, seed: int) -> Path:
         "ports": [h.port for h in net.hosts], "keys": str(keys), "kind": "p2p", "cases": [],
     }  # fmt: skip
     path = tmp / "chaos-setup.json"
-    path.write_text(json.dumps({"hosts": hosts, "seed": seed, "deadline": time.time() + seconds}))
+    deadline = time.time() + seconds
+    setup = {"hosts": hosts, "seed": seed, "deadline": deadline, "megatron": megatron}
+    path.write_text(json.dumps(setup))
     return path
 
 
-def run_chaos(seconds: float, seed: int, tmp: Path) -> dict[str, Any]:
+def run_chaos(seconds: float, seed: int, tmp: Path, *, megatron: bool = False) -> dict[str, Any]:
     """Run the chaos job for ``seconds`` on a fresh network under ``tmp``; the summary.
-    Raises RuntimeError when a driver fails other than by its controller-kill fault."""
+    ``megatron``: the production trainer, whose uninterrupted run is then run after the
+    chaos (one host, no fault, no move) rather than computed here. Raises RuntimeError
+    when a driver fails other than by its controller-kill fault."""
     with network(3, tmp) as net:
-        setup = _setup(net, tmp, seconds, seed)
+        setup = _setup(net, tmp, seconds, seed, megatron)
         run_dir = net.hosts[0].job_dir / "run"
         restarts = 0
         env = net.environment(net.hosts[0], environment())
@@ -93,13 +99,24 @@ def run_chaos(seconds: float, seed: int, tmp: Path) -> dict[str, Any]:
         lines = (run_dir / "chaos-events.jsonl").read_text().splitlines()
         events = [json.loads(line) for line in lines]
         result = json.loads((run_dir / "result.json").read_text())
-    return summarise(events, result, restarts=restarts, left_running=len(left))
+    steps = len(result["digests"])
+    if megatron:
+        clean = asyncio.run(fault_loop.clean_run(tmp / "clean", steps, megatron=True))
+    else:
+        clean = fault_loop.reference(steps)
+    return summarise(events, result, clean, restarts=restarts, left_running=len(left))
 
 
 def summarise(
-    events: list[dict[str, Any]], result: dict[str, Any], *, restarts: int, left_running: int
+    events: list[dict[str, Any]],
+    result: dict[str, Any],
+    uninterrupted: tuple[list[str], str],
+    *,
+    restarts: int,
+    left_running: int,
 ) -> dict[str, Any]:
-    """The run's figures from its event records and final result."""
+    """The run's figures from its event records, its final result and the
+    ``uninterrupted`` run's (step digests, checksum)."""
     steps = [e for e in events if e["kind"] == "step"]
     fired = [e for e in steps if e["action"] is not None]
     # A controller kill is recorded before it is armed; it fired when a restart follows.
@@ -112,7 +129,7 @@ def summarise(
     outcomes = Counter(e["outcome"] for e in fired) + Counter({"restart": len(kills)})
     recovery = [float(e["recovery_s"]) for e in fired]
     recovery += [float(opened["time"]) - float(kill["time"]) for kill, opened in kills]
-    digests, checksum = fault_loop.reference(len(result["digests"]))
+    digests, checksum = uninterrupted
     opens = [e for e in events if e["kind"] == "open"]
     return {
         "faults": sum(faults.values()), "faults_by_kind": dict(faults),
@@ -169,19 +186,24 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=600.0, help="run length (default 600)")
     parser.add_argument("--seed", type=int, default=1, help="the fault plan's seed")
     parser.add_argument("--dir", type=Path, help="keep the run here (default: a temporary one)")
+    parser.add_argument(
+        "--trainer", choices=("tiny", "megatron"), default="tiny",
+        help="the tiny test trainer, or the production one (Megatron-core on gloo)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.seconds <= 0:
         parser.error(f"--seconds must be positive, got {args.seconds}")
+    megatron = args.trainer == "megatron"
     reason = unavailable()
     if reason is not None:
         sys.stderr.write(f"chaos needs network namespaces: {reason}\n")
         return 2
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=False)
-        summary = run_chaos(args.seconds, args.seed, args.dir)
+        summary = run_chaos(args.seconds, args.seed, args.dir, megatron=megatron)
     else:
         with tempfile.TemporaryDirectory(prefix="dynarl-chaos-") as tmp:
-            summary = run_chaos(args.seconds, args.seed, Path(tmp))
+            summary = run_chaos(args.seconds, args.seed, Path(tmp), megatron=megatron)
     sys.stdout.write(report(summary) + "\n")
     return 0 if ok(summary) else 1
 

@@ -80,6 +80,8 @@ class ChaosSetup:
     seed: int
     deadline: float
     """Wall-clock time (``time.time()``) after which no step starts."""
+    megatron: bool = False
+    """The production trainer (``fault_loop.MEGATRON``) instead of the tiny one."""
 
 
 def resources(launcher: NetnsLauncher) -> dict[str, dict[str, int]]:
@@ -148,7 +150,7 @@ async def chaos_step(
         result = "restore"
     else:
         result = "old" if job.allocation == base else "new"
-        await run.train(samples)
+        await fault_loop.train(job, run, samples)
     if job.allocation != base:
         back = await job.reallocate(base)
         assert back.ok, back.reason
@@ -168,7 +170,10 @@ async def drive(setup: ChaosSetup) -> None:
     launcher = NetnsLauncher(
         hosts, log_dir=run_dir / "workers", store_timeout_s=config.collective_timeout_s
     )
-    job = fault_loop.job(run_dir, trainer=MigrationKind.P2P, config=config, launcher=launcher)
+    job = fault_loop.job(
+        run_dir, trainer=MigrationKind.P2P, config=config, launcher=launcher,
+        megatron=setup.megatron,
+    )  # fmt: skip
     async with job:
         job.faults.cut = launcher.cut
         run = await fault_loop.durable(job).open()

@@ -5,6 +5,12 @@ the migration soak share: a rollout (``ScriptedRollout``) on devices 0 and 1, a 
 Everything a step computes is deterministic (scripted tokens, a deterministic trainer),
 so :func:`reference` computes, in this process and without any worker, the digests and
 the checksum an uninterrupted run reaches; a run that survived faults must end there.
+
+With ``megatron=True`` the trainer is the production one (``MegatronTrainerRole``: a tiny
+Megatron-core GPT on gloo, :data:`MEGATRON`), trained by its layout-independent streamed
+step (``train_step(streamed=True)``: bitwise the same on one rank or two) with GRPO
+advantages the requests carry; the uninterrupted run's checksum then comes from running
+the loop without faults or moves (:func:`clean_checksum`).
 """
 
 from __future__ import annotations
@@ -18,7 +24,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynarl.bus import GenerationRequest, Sample, pack_tokens
+from dynarl.backends.megatron import (
+    GPTModelConfig,
+    MegatronSetup,
+    MegatronTrainConfig,
+    MegatronTrainerRole,
+)
+from dynarl.bus import GenerationRequest, MetaValue, Sample, pack_tokens
 from dynarl.runtime import ComponentSpec, Job, JobConfig, RuntimeConfig
 from dynarl.runtime._durable_run import DurableConfig, DurableRun
 from dynarl.runtime._faults import Fault
@@ -42,10 +54,30 @@ BASE = Allocation.of({"rollout": [0, 1], "trainer": [2]})
 """The allocation the job starts with."""
 
 
-def request(ticket: Ticket) -> GenerationRequest:
+MEGATRON = MegatronSetup(
+    model=GPTModelConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=64, vocab_size=1000, max_sequence_length=64, init_seed=7,
+    ),
+    train=MegatronTrainConfig(lr=3e-3, clip_grad=0.5, device="cpu", group_timeout_s=20.0),
+    num_threads=1,
+)  # fmt: skip
+"""The production trainer's setup (``megatron=True``): its vocabulary covers the scripted
+tokens (< 1000); a group that cannot be built within the loop's collective timeout fails."""
+
+
+def request(ticket: Ticket, index: int) -> GenerationRequest:
+    """``ticket``'s generation request, ``index``-th of its step: its micro-batch (the
+    prompt group within the step), its order there and a fixed GRPO advantage (+1 for the
+    first member, -1 for the others: the Megatron trainer's loss needs one)."""
+    metadata: dict[str, MetaValue] = {
+        "group": index // SOURCE.group_size,
+        "seed_id": ticket.member,
+        "advantage": 1.0 if ticket.member == 0 else -1.0,
+    }
     return GenerationRequest(
         sample_id=ticket.sample_id, token_ids=pack_tokens([ticket.item, ticket.member]),
-        max_new_tokens=MAX_NEW, prompt_id=ticket.prompt_id, seed=ticket.seed,
+        max_new_tokens=MAX_NEW, prompt_id=ticket.prompt_id, seed=ticket.seed, metadata=metadata,
     )  # fmt: skip
 
 
@@ -89,13 +121,20 @@ def job(
     faults: Sequence[Fault] = (),
     config: RuntimeConfig | None = None,
     launcher: WorkerLauncher | None = None,
+    megatron: bool = False,
 ) -> Job:
     """The loop's job (``config`` default: :func:`runtime` with ``faults``; ``launcher``
-    default: the local one)."""
-    specs = [
-        ComponentSpec(role=ScriptedRollout, devices=(0, 1), options={"tokens_per_s": 60.0}),
-        ComponentSpec(role=TinyTrainer, devices=(2,), options=TRAINER, migration=trainer),
-    ]
+    default: the local one; ``megatron``: the production trainer, :data:`MEGATRON`)."""
+    rollout = ComponentSpec(role=ScriptedRollout, devices=(0, 1), options={"tokens_per_s": 60.0})
+    if megatron:
+        MEGATRON.param_specs()  # imports Megatron here, not on the controller's event loop
+        learner = ComponentSpec(
+            role=MegatronTrainerRole, devices=(2,), options=MEGATRON.to_options(),
+            migration=trainer,
+        )  # fmt: skip
+    else:
+        learner = ComponentSpec(role=TinyTrainer, devices=(2,), options=TRAINER, migration=trainer)
+    specs = [rollout, learner]
     settings = config if config is not None else runtime(faults)
     job_config = JobConfig(run_dir=str(run_dir), runtime=settings, durable=True)
     return Job(specs, job_config, launcher=launcher)
@@ -108,8 +147,17 @@ def durable(job: Job) -> DurableRun:
 def submit(job: Job, run: DurableRun) -> list[Ticket]:
     """Issue the next step's tickets and hand them to the rollout."""
     tickets = run.issue(BATCH)
-    job.submit("rollout", [request(t) for t in tickets])
+    job.submit("rollout", [request(t, i) for i, t in enumerate(tickets)])
     return tickets
+
+
+async def train(job: Job, run: DurableRun, samples: Sequence[Sample]) -> None:
+    """Train the step on ``samples`` (the production trainer by its layout-independent
+    streamed step)."""
+    if job.controller.manager("trainer").spec.role is MegatronTrainerRole:
+        await run.train(samples, streamed=True)
+    else:
+        await run.train(samples)
 
 
 async def collect(job: Job, tickets: Sequence[Ticket], timeout_s: float = 90.0) -> list[Sample]:
@@ -128,7 +176,18 @@ async def collect(job: Job, tickets: Sequence[Ticket], timeout_s: float = 90.0) 
 async def step(job: Job, run: DurableRun) -> None:
     """One whole, fault-free step."""
     tickets = submit(job, run)
-    await run.train(await collect(job, tickets))
+    await train(job, run, await collect(job, tickets))
+
+
+async def clean_run(run_dir: Path, num_steps: int, *, megatron: bool) -> tuple[list[str], str]:
+    """(step digests, final trainer checksum) of the loop run ``num_steps`` steps without a
+    fault or a move, in a job of its own: the uninterrupted run of a trainer that
+    :func:`reference` cannot replay in-process (the production one)."""
+    async with job(run_dir, megatron=megatron) as running:
+        run = await durable(running).open()
+        while run.step < num_steps:
+            await step(running, run)
+        return journal_digests(run_dir), await checksum(running)
 
 
 async def checksum(job: Job) -> str:
@@ -182,7 +241,7 @@ async def run_case(
         assert job.allocation in (base, case.target), job.allocation
         result = "old" if job.allocation == base else "new"
         assert outcome.ok == (result == "new") or case.fault.phase.endswith("commit")
-        await run.train(samples)
+        await train(job, run, samples)
     if job.allocation != base:
         back = await job.reallocate(base)
         assert back.ok, back.reason
@@ -220,7 +279,7 @@ async def drive(run_dir: Path, num_steps: int, faults: Sequence[Fault], arm_at: 
             src, dst = ("rollout", "trainer") if give else ("trainer", "rollout")
             if 1 in running.allocation.devices(src):
                 await running.move([1], src=src, dst=dst)
-            await run.train(await collect(running, tickets))
+            await train(running, run, await collect(running, tickets))
         result = Result(
             digests=journal_digests(run_dir), checksum=await checksum(running),
             violations=[v.kind for v in run.report().violations],

@@ -164,7 +164,8 @@ def test_a_trainer_with_no_checkpoint_stops_the_job_with_one_error(tmp_path: Pat
         ComponentSpec(role=TinyTrainer, devices=(2,), options=fault_loop.TRAINER),
     ]
     config = JobConfig(run_dir=str(tmp_path), runtime=fault_loop.runtime())
-    requests = [fault_loop.request(t) for t in SampleSource(fault_loop.SOURCE).take(4)]
+    tickets = SampleSource(fault_loop.SOURCE).take(4)
+    requests = [fault_loop.request(t, i) for i, t in enumerate(tickets)]
 
     async def main() -> None:
         with pytest.raises(WorkerLostError) as stopped:

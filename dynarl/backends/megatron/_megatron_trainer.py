@@ -36,10 +36,13 @@ Collective methods must be called by every rank of the current layout; all block
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
+import os
 from collections.abc import Collection, Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -73,6 +76,7 @@ from dynarl.migrate import (
     plan_reshard,
     trainer_layout,
 )
+from dynarl.runtime.durable import load_shards, save_shards
 
 __all__ = ["MegatronTrainer"]
 
@@ -239,6 +243,8 @@ class MegatronTrainer:
             self.version = new.optimizer.step_count or self.version
         if old is not None:
             old.close()
+            del old
+            _collect()
         logger.info("rank %d committed layout %s", self.rank, layout.name)
 
     def discard(self, layout: Layout) -> None:
@@ -246,6 +252,7 @@ class MegatronTrainer:
         if self._pending is not None:
             self._pending.close()
             self._pending = None
+            _collect()
 
     # ------------------------------------------------------------------ training
     def set_lr(self, lr: float) -> None:
@@ -443,6 +450,27 @@ class MegatronTrainer:
         dist.broadcast(digest, group=group.pg, group_src=group.group_rank(root))
         return bytes(digest.cpu().tolist()).hex()
 
+    def save_sharded(self, directory: str | os.PathLike[str]) -> Path:
+        """Write this rank's shards of the whole state (parameters, any master copies, Adam
+        state and step) under ``directory``, one file per rank, in a form that
+        :meth:`load_sharded` reads back on any layout; the file written. Local to this rank
+        (every rank of the layout writes its own)."""
+        state = self._require()
+        return save_shards(directory, self.rank, state.views(self.rank))
+
+    @torch.no_grad()
+    def load_sharded(self, directory: str | os.PathLike[str]) -> int:
+        """Fill this rank's shards of the current layout from the files
+        :meth:`save_sharded` wrote under ``directory`` (by every rank of whatever layout
+        wrote them), as a P2P reshard would, and take the version from Adam's step; the
+        elements copied. Local to this rank; every rank of the layout must load. Raises
+        ValueError when the files do not cover this rank's shards."""
+        state = self._require()
+        copied = load_shards(directory, state.views(self.rank), state.layout.tensor_map())
+        state.optimizer.commit_state()
+        self.version = state.optimizer.step_count or 0
+        return copied
+
     @torch.no_grad()
     def load_full(self, full: Mapping[str, torch.Tensor]) -> None:
         """Overwrite this rank's shards of every layout tensor named in ``full`` (full
@@ -482,3 +510,13 @@ class MegatronTrainer:
         if self._current is not None:
             install_parallel_state(None)
         self._current = self._pending = None
+        _collect()
+
+
+def _collect() -> None:
+    """Free a closed layout now. Megatron's modules, DDP and optimizer reference each
+    other, so the last reference to a layout's process groups sits in a cycle that only the
+    garbage collector frees: without a collection here every layout change left its gloo
+    contexts (a socket, a pipe pair and an epoll instance per peer and group) open until the
+    collector next ran — ~6 fds a move, ~150 after 13 chaos steps."""
+    gc.collect()

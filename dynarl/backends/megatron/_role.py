@@ -18,6 +18,11 @@ layout over the component's devices is data parallel over what ``tp`` × ``pp`` 
 * ``checksum``: SHA-256 of the whole state (parameters, Adam state, version), identical on
   every rank and for every layout; ``set_lr(lr=...)``.
 
+It is :class:`~dynarl.runtime.worker.Checkpointing`: ``save_state`` writes each rank's shards
+(parameters, Adam state and step) and ``load_state`` reads them back on any layout, so a
+:class:`~dynarl.runtime.DurableRun` checkpoints and restores it and a reboot migration moves
+it; ``train_step(samples, streamed=True)`` is the layout-independent step such a loop uses.
+
 It is :class:`~dynarl.runtime.worker.Reshardable`: the runtime's P2P migration grows and
 shrinks it (create-before-destroy; the rows of a step in progress stay with the ranks that
 remain, and a rank holding rows refuses to leave). A component shrunk to no device sleeps
@@ -286,14 +291,23 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
         return out
 
     def train_step(
-        self, samples: Sequence[Sample], *, old: str = "current"
+        self, samples: Sequence[Sample], *, old: str = "current", streamed: bool = False
     ) -> dict[str, MetaValue]:
         """One whole-batch GRPO step on ``samples`` (in the order given, the same on every
-        rank) through Megatron DDP. Raises ValueError while rows of a streamed step are
-        held here, or for an empty batch."""
+        rank) through Megatron DDP. With ``streamed`` the step is :meth:`learn` on every
+        micro-batch of ``samples`` then :meth:`step`: slower, but bitwise the same for any
+        data-parallel size (a loop that may train on either side of a move, and must match
+        an uninterrupted run, wants it; every sample needs its ``group`` metadata). Raises
+        ValueError while rows of a streamed step are held here, or for an empty batch."""
         trainer = self._current()
         if len(self._rows):
             raise ValueError("a streamed step is in progress (rows held): call step first")
+        if streamed:
+            if not samples:
+                raise ValueError("train_step: empty batch")
+            self.learn(samples, old=old)
+            num_micros = len(micro_batches(samples))
+            return self.step(samples, num_micros=num_micros, num_samples=len(samples))
         began = self._meter.begin(1)
         try:
             stats = trainer.train_step(self._train_samples(samples, old))
@@ -307,6 +321,28 @@ class MegatronTrainerRole(WorkerGroup, kind=ComponentKind.TRAINER, name="trainer
             "grad_norm": stats.grad_norm,
             "num_tokens": stats.num_tokens,
         }
+
+    # ------------------------------------------------------------------ Checkpointing
+
+    def save_state(self, path: str) -> None:
+        """Write this rank's shards of the whole state under directory ``path`` (the
+        durable run's checkpoints, the reboot migration). Raises BackendError on a rank
+        holding no state, ValueError while rows of a streamed step are held (a checkpoint
+        is taken between steps)."""
+        if len(self._rows):
+            raise ValueError(
+                f"trainer rank {self.ctx.device} holds {len(self._rows)} gradient rows: "
+                "checkpoint between steps"
+            )
+        self._current().save_sharded(path)
+
+    def load_state(self, path: str) -> None:
+        """Restore the whole state from the shard files under ``path``, whatever layout
+        wrote them (every rank of the current layout loads). Raises ValueError when they do
+        not cover this rank's shards."""
+        self._rows.clear()
+        self._drop_policy()
+        self._current().load_sharded(path)
 
     def push_weights(
         self,
