@@ -72,8 +72,9 @@ test-sglang: sglang-env $(ENGINES_STAMP)
 # them); prints faults, outcomes, samples lost/duplicated, recovery times, RSS and fds.
 CHAOS_S ?= 600
 CHAOS_SEED ?= 1
+CHAOS_STACK ?= reference
 chaos: $(STAMP)
-	$(PY) tests/chaos.py --seconds $(CHAOS_S) --seed $(CHAOS_SEED)
+	$(PY) tests/chaos.py --seconds $(CHAOS_S) --seed $(CHAOS_SEED) --stack $(CHAOS_STACK)
 
 bench: $(ENGINES_STAMP)
 	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done

@@ -6,18 +6,20 @@ namespace until ``S`` seconds have passed; a driver killed by its own controller
 is started again (once its orphaned workers have left) and resumes from the journal and the
 last checkpoint. At the end it checks the invariants over the whole run — the journalled
 step digests and the trainer's checksum equal an uninterrupted run's (computed in this
-process by :func:`fault_loop.reference`; with ``--trainer megatron``, the production
-trainer, by running the loop as long without a fault or a move), no sample lost or
-duplicated, no manifest violation, nothing left running — and prints the faults by kind,
-the outcomes, recovery times, each process's RSS and fd count at start and end, then one
-JSON line with ``faults``, ``samples_lost``, ``samples_duplicated``, ``recovery_s_max``
-and the rest. Exit status 1 when an invariant fails.
+process by :func:`fault_loop.reference` for the test seams; for the reference job,
+``--stack reference``, the default, by running the loop as long without a fault or a
+move), no sample lost or duplicated, no manifest violation, nothing left running — and
+prints the faults by kind, the outcomes, recovery times, each process's RSS and fd count
+at start and end, then one JSON line with ``faults``, ``samples_lost``,
+``samples_duplicated``, ``recovery_s_max`` and the rest. Exit status 1 when an invariant
+fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import signal
@@ -55,7 +57,7 @@ def _empty(net: Network, within_s: float) -> bool:
     return False
 
 
-def _setup(net: Network, tmp: Path, seconds: float, seed: int, megatron: bool) -> Path:
+def _setup(net: Network, tmp: Path, seconds: float, seed: int, stack: fault_loop.Stack) -> Path:
     keys = tmp / "keys"
     for name in ["controller", *(f"worker-{d}" for d in range(len(net.hosts)))]:
         generate_keys(keys, name)
@@ -67,18 +69,20 @@ def _setup(net: Network, tmp: Path, seconds: float, seed: int, megatron: bool) -
     }  # fmt: skip
     path = tmp / "chaos-setup.json"
     deadline = time.time() + seconds
-    setup = {"hosts": hosts, "seed": seed, "deadline": deadline, "megatron": megatron}
+    setup = {"hosts": hosts, "seed": seed, "deadline": deadline, "stack": stack.to_json()}
     path.write_text(json.dumps(setup))
     return path
 
 
-def run_chaos(seconds: float, seed: int, tmp: Path, *, megatron: bool = False) -> dict[str, Any]:
+def run_chaos(
+    seconds: float, seed: int, tmp: Path, stack: fault_loop.Stack = fault_loop.TINY
+) -> dict[str, Any]:
     """Run the chaos job for ``seconds`` on a fresh network under ``tmp``; the summary.
-    ``megatron``: the production trainer, whose uninterrupted run is then run after the
-    chaos (one host, no fault, no move) rather than computed here. Raises RuntimeError
-    when a driver fails other than by its controller-kill fault."""
+    The uninterrupted run of any ``stack`` but the tiny one is run after the chaos (one
+    host, no fault, no move) rather than computed here. Raises RuntimeError when a driver
+    fails other than by its controller-kill fault."""
     with network(3, tmp) as net:
-        setup = _setup(net, tmp, seconds, seed, megatron)
+        setup = _setup(net, tmp, seconds, seed, stack)
         run_dir = net.hosts[0].job_dir / "run"
         restarts = 0
         env = net.environment(net.hosts[0], environment())
@@ -100,10 +104,10 @@ def run_chaos(seconds: float, seed: int, tmp: Path, *, megatron: bool = False) -
         events = [json.loads(line) for line in lines]
         result = json.loads((run_dir / "result.json").read_text())
     steps = len(result["digests"])
-    if megatron:
-        clean = asyncio.run(fault_loop.clean_run(tmp / "clean", steps, megatron=True))
-    else:
+    if stack == fault_loop.TINY:
         clean = fault_loop.reference(steps)
+    else:
+        clean = asyncio.run(fault_loop.clean_run(tmp / "clean", steps, stack))
     return summarise(events, result, clean, restarts=restarts, left_running=len(left))
 
 
@@ -181,29 +185,44 @@ def report(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def stack_of(name: str) -> fault_loop.Stack:
+    """The stack named ``name``; the reference one with the reference job's initial weights
+    (``examples/torchrun_job.py``'s, warm-started once and cached by configuration), every
+    group and micro-batch of its trainer as the loop needs them."""
+    if name != "reference":
+        return fault_loop.Stack(name=name)
+    import torchrun_job
+
+    from dynarl.backends.reference import default_train
+
+    setup = torchrun_job.prepared(torchrun_job.parse([]))
+    train = default_train(group_timeout_s=fault_loop.MEGATRON.train.group_timeout_s)
+    return fault_loop.Stack(name=name, setup=dataclasses.replace(setup, train=train))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="tests/chaos.py", description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=600.0, help="run length (default 600)")
     parser.add_argument("--seed", type=int, default=1, help="the fault plan's seed")
     parser.add_argument("--dir", type=Path, help="keep the run here (default: a temporary one)")
     parser.add_argument(
-        "--trainer", choices=("tiny", "megatron"), default="tiny",
-        help="the tiny test trainer, or the production one (Megatron-core on gloo)",
+        "--stack", choices=("reference", "megatron", "tiny"), default="reference",
+        help="the reference job's engine and trainer (default); the scripted rollout with "
+        "the production trainer; or the test seams (scripted rollout, tiny trainer)",
     )  # fmt: skip
     args = parser.parse_args()
     if args.seconds <= 0:
         parser.error(f"--seconds must be positive, got {args.seconds}")
-    megatron = args.trainer == "megatron"
     reason = unavailable()
     if reason is not None:
         sys.stderr.write(f"chaos needs network namespaces: {reason}\n")
         return 2
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=False)
-        summary = run_chaos(args.seconds, args.seed, args.dir, megatron=megatron)
+        summary = run_chaos(args.seconds, args.seed, args.dir, stack_of(args.stack))
     else:
         with tempfile.TemporaryDirectory(prefix="dynarl-chaos-") as tmp:
-            summary = run_chaos(args.seconds, args.seed, Path(tmp), megatron=megatron)
+            summary = run_chaos(args.seconds, args.seed, Path(tmp), stack_of(args.stack))
     sys.stdout.write(report(summary) + "\n")
     return 0 if ok(summary) else 1
 

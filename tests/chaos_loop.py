@@ -80,8 +80,8 @@ class ChaosSetup:
     seed: int
     deadline: float
     """Wall-clock time (``time.time()``) after which no step starts."""
-    megatron: bool = False
-    """The production trainer (``fault_loop.MEGATRON``) instead of the tiny one."""
+    stack: dict[str, object] = dataclasses.field(default_factory=lambda: {"name": "tiny"})
+    """The rollout and trainer (``fault_loop.Stack.to_json``)."""
 
 
 def resources(launcher: NetnsLauncher) -> dict[str, dict[str, int]]:
@@ -172,7 +172,7 @@ async def drive(setup: ChaosSetup) -> None:
     )
     job = fault_loop.job(
         run_dir, trainer=MigrationKind.P2P, config=config, launcher=launcher,
-        megatron=setup.megatron,
+        stack=fault_loop.Stack.from_json(setup.stack),  # type: ignore[arg-type]
     )  # fmt: skip
     async with job:
         job.faults.cut = launcher.cut

@@ -6,11 +6,16 @@ Everything a step computes is deterministic (scripted tokens, a deterministic tr
 so :func:`reference` computes, in this process and without any worker, the digests and
 the checksum an uninterrupted run reaches; a run that survived faults must end there.
 
-With ``megatron=True`` the trainer is the production one (``MegatronTrainerRole``: a tiny
-Megatron-core GPT on gloo, :data:`MEGATRON`), trained by its layout-independent streamed
-step (``train_step(streamed=True)``: bitwise the same on one rank or two) with GRPO
-advantages the requests carry; the uninterrupted run's checksum then comes from running
-the loop without faults or moves (:func:`clean_checksum`).
+A :class:`Stack` swaps the components: ``megatron`` puts the production trainer
+(``MegatronTrainerRole``: a tiny Megatron-core GPT on gloo, :data:`MEGATRON`) behind the
+scripted rollout; ``reference`` runs the reference job's engine and trainer
+(``ReferenceRollout``: the deterministic CPU decoder, ``ReferenceTrainer``: the reference
+GPT as a Megatron GPTModel) from a weights file. Their trainers step by the
+layout-independent streamed step (``train_step(streamed=True)``: bitwise the same on one
+rank or two) with the GRPO advantages the requests carry, and the uninterrupted run's
+checksum comes from running the loop without faults or moves (:func:`clean_run`). The
+reference engines keep the initial weights (no weight sync: a worker started again after
+a fault loads the weights file, and must serve what an uninterrupted run's would).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dynarl.backends.megatron import (
     MegatronTrainConfig,
     MegatronTrainerRole,
 )
+from dynarl.backends.reference import ReferenceRollout, ReferenceSetup, ReferenceTrainer
 from dynarl.bus import GenerationRequest, MetaValue, Sample, pack_tokens
 from dynarl.runtime import ComponentSpec, Job, JobConfig, RuntimeConfig
 from dynarl.runtime._durable_run import DurableConfig, DurableRun
@@ -62,17 +68,71 @@ MEGATRON = MegatronSetup(
     train=MegatronTrainConfig(lr=3e-3, clip_grad=0.5, device="cpu", group_timeout_s=20.0),
     num_threads=1,
 )  # fmt: skip
-"""The production trainer's setup (``megatron=True``): its vocabulary covers the scripted
-tokens (< 1000); a group that cannot be built within the loop's collective timeout fails."""
+"""The production trainer's setup (the ``megatron`` stack): its vocabulary covers the
+scripted tokens (< 1000)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stack:
+    """The loop's rollout and trainer (see the module docstring)."""
+
+    name: str = "tiny"
+    """``tiny``, ``megatron`` or ``reference``."""
+    setup: ReferenceSetup | None = None
+    """The reference job's setup, its initial weights file included (``reference``)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("tiny", "megatron", "reference"):
+            raise ValueError(f"unknown stack {self.name!r}")
+        if (self.name == "reference") != (self.setup is not None):
+            raise ValueError("a ReferenceSetup goes with the reference stack, and only there")
+
+    def components(self, trainer: MigrationKind) -> list[ComponentSpec]:
+        """The rollout on devices 0 and 1, the trainer (moving by ``trainer``) on 2."""
+        if self.setup is not None:
+            options = self.setup.to_options()
+            return [
+                ComponentSpec(role=ReferenceRollout, devices=(0, 1), options=options),
+                ComponentSpec(
+                    role=ReferenceTrainer, devices=(2,), options=options, migration=trainer
+                ),
+            ]
+        rollout = ComponentSpec(
+            role=ScriptedRollout, devices=(0, 1), options={"tokens_per_s": 60.0}
+        )
+        if self.name == "tiny":
+            return [
+                rollout,
+                ComponentSpec(role=TinyTrainer, devices=(2,), options=TRAINER, migration=trainer),
+            ]
+        MEGATRON.param_specs()  # imports Megatron here, not on the controller's event loop
+        options = MEGATRON.to_options()
+        learner = ComponentSpec(
+            role=MegatronTrainerRole, devices=(2,), options=options, migration=trainer
+        )
+        return [rollout, learner]
+
+    def to_json(self) -> dict[str, MetaValue]:
+        return {"name": self.name} | (self.setup.to_options() if self.setup else {})
+
+    @classmethod
+    def from_json(cls, data: dict[str, MetaValue]) -> Stack:
+        name = str(data["name"])
+        setup = ReferenceSetup.from_options(data) if name == "reference" else None
+        return cls(name=name, setup=setup)
+
+
+TINY = Stack()
 
 
 def request(ticket: Ticket, index: int) -> GenerationRequest:
     """``ticket``'s generation request, ``index``-th of its step: its micro-batch (the
-    prompt group within the step), its order there and a fixed GRPO advantage (+1 for the
-    first member, -1 for the others: the Megatron trainer's loss needs one)."""
+    prompt group within the step), its order there and sampling key (its stream position)
+    and a fixed GRPO advantage (+1 for the first member, -1 for the others: the Megatron
+    trainer's loss needs one)."""
     metadata: dict[str, MetaValue] = {
         "group": index // SOURCE.group_size,
-        "seed_id": ticket.member,
+        "seed_id": ticket.position,
         "advantage": 1.0 if ticket.member == 0 else -1.0,
     }
     return GenerationRequest(
@@ -121,20 +181,11 @@ def job(
     faults: Sequence[Fault] = (),
     config: RuntimeConfig | None = None,
     launcher: WorkerLauncher | None = None,
-    megatron: bool = False,
+    stack: Stack = TINY,
 ) -> Job:
     """The loop's job (``config`` default: :func:`runtime` with ``faults``; ``launcher``
-    default: the local one; ``megatron``: the production trainer, :data:`MEGATRON`)."""
-    rollout = ComponentSpec(role=ScriptedRollout, devices=(0, 1), options={"tokens_per_s": 60.0})
-    if megatron:
-        MEGATRON.param_specs()  # imports Megatron here, not on the controller's event loop
-        learner = ComponentSpec(
-            role=MegatronTrainerRole, devices=(2,), options=MEGATRON.to_options(),
-            migration=trainer,
-        )  # fmt: skip
-    else:
-        learner = ComponentSpec(role=TinyTrainer, devices=(2,), options=TRAINER, migration=trainer)
-    specs = [rollout, learner]
+    default: the local one)."""
+    specs = stack.components(trainer)
     settings = config if config is not None else runtime(faults)
     job_config = JobConfig(run_dir=str(run_dir), runtime=settings, durable=True)
     return Job(specs, job_config, launcher=launcher)
@@ -154,7 +205,7 @@ def submit(job: Job, run: DurableRun) -> list[Ticket]:
 async def train(job: Job, run: DurableRun, samples: Sequence[Sample]) -> None:
     """Train the step on ``samples`` (the production trainer by its layout-independent
     streamed step)."""
-    if job.controller.manager("trainer").spec.role is MegatronTrainerRole:
+    if issubclass(job.controller.manager("trainer").spec.role, MegatronTrainerRole):
         await run.train(samples, streamed=True)
     else:
         await run.train(samples)
@@ -179,11 +230,11 @@ async def step(job: Job, run: DurableRun) -> None:
     await train(job, run, await collect(job, tickets))
 
 
-async def clean_run(run_dir: Path, num_steps: int, *, megatron: bool) -> tuple[list[str], str]:
+async def clean_run(run_dir: Path, num_steps: int, stack: Stack) -> tuple[list[str], str]:
     """(step digests, final trainer checksum) of the loop run ``num_steps`` steps without a
-    fault or a move, in a job of its own: the uninterrupted run of a trainer that
-    :func:`reference` cannot replay in-process (the production one)."""
-    async with job(run_dir, megatron=megatron) as running:
+    fault or a move, in a job of its own: the uninterrupted run of a stack that
+    :func:`reference` cannot replay in-process."""
+    async with job(run_dir, stack=stack) as running:
         run = await durable(running).open()
         while run.step < num_steps:
             await step(running, run)

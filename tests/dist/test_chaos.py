@@ -1,6 +1,7 @@
-"""The one-minute chaos run (``make chaos`` runs the long one): the durable job across three
-hosts under seeded worker kills, link cuts and controller kills, fired at event counts
-(markers ``dist`` and ``netns``; ``tests/chaos.py``).
+"""The one-minute chaos run (``make chaos`` runs the long one): the durable reference job
+(its engine and Megatron trainer) across three hosts under seeded worker kills, link cuts
+and controller kills, fired at event counts (markers ``dist`` and ``netns``;
+``tests/chaos.py``).
 
 Over the whole run every sample is trained exactly once, the journalled step digests and
 the trainer's checksum equal an uninterrupted run's, nothing is left running, and the run
@@ -45,7 +46,7 @@ def test_a_short_chaos_run_trains_every_sample_exactly_once(tmp_path: Path) -> N
     reason = unavailable()
     if reason is not None:
         pytest.skip(reason)
-    summary = chaos.run_chaos(SECONDS, SEED, tmp_path)
+    summary = chaos.run_chaos(SECONDS, SEED, tmp_path, chaos.stack_of("reference"))
     logger.warning("CHAOS\n%s", chaos.report(summary))
     assert summary["faults"] >= 3, summary
     assert summary["samples_lost"] == 0 and summary["samples_duplicated"] == 0, summary

@@ -36,6 +36,7 @@ from dynarl.types import Allocation, MigrationKind
 pytestmark = [pytest.mark.dist, pytest.mark.gloo_listener_outlives_test]
 
 STEPS = 3
+MEGATRON = fault_loop.Stack(name="megatron")
 
 
 def settings() -> RuntimeConfig:
@@ -61,7 +62,7 @@ async def open_fds_over_moves(job: Job, *, cycles: int) -> list[dict[int, int]]:
 
 async def p2p_job(run_dir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    running = fault_loop.job(run_dir, config=settings(), megatron=True)
+    running = fault_loop.job(run_dir, config=settings(), stack=MEGATRON)
     async with asyncio.timeout(400), running as job:
         config = DurableConfig(
             source=fault_loop.SOURCE, checkpoint_every=2, max_tokens=fault_loop.MAX_NEW
@@ -92,7 +93,7 @@ async def p2p_job(run_dir: Path) -> dict[str, Any]:
 async def reboot_job(run_dir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"moves": []}
     running = fault_loop.job(
-        run_dir, trainer=MigrationKind.REBOOT, config=settings(), megatron=True
+        run_dir, trainer=MigrationKind.REBOOT, config=settings(), stack=MEGATRON
     )
     targets = (
         Allocation.of({"rollout": [0, 2], "trainer": [1]}),
@@ -119,7 +120,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         return {
             "p2p": await p2p_job(root / "p2p"),
             "reboot": await reboot_job(root / "reboot"),
-            "clean": await fault_loop.clean_run(root / "clean", STEPS, megatron=True),
+            "clean": await fault_loop.clean_run(root / "clean", STEPS, MEGATRON),
         }
 
     return asyncio.run(all_runs())
