@@ -185,7 +185,10 @@ class Job(AsyncResource):
         self._iteration = 0
 
     def _new_controller(
-        self, components: Sequence[ComponentSpec], journal: AllocationJournal | None
+        self,
+        components: Sequence[ComponentSpec],
+        journal: AllocationJournal | None,
+        first_decision: int = 1,
     ) -> Controller:
         return Controller(
             components,
@@ -198,6 +201,7 @@ class Job(AsyncResource):
             bind=self._launcher.bind,
             curve=self._launcher.curve,
             predictor=self._predictor,
+            first_decision=first_decision,
         )
 
     # ------------------------------------------------------------------ life cycle
@@ -214,7 +218,10 @@ class Job(AsyncResource):
                 self.journal = journal = Journal(self.run_dir / "journal", job="dynarl")
                 stack.callback(journal.close)
                 recovered = _recovered(self._components, journal)
-                self._controller = self._new_controller(recovered, journal)
+                # Decision ids continue past the migrations an earlier controller began.
+                first = journal.state.migrations_begun + 1
+                self._ids = itertools.count(first)
+                self._controller = self._new_controller(recovered, journal, first)
         # The launcher before the controller: workers are told to leave over the bus
         # before their processes are stopped.
         launcher = await stack.enter_async_context(self._launcher)

@@ -68,7 +68,8 @@ class _Counters:
 class Scheduler:
     """Decides reallocations from component reports (see the module docstring).
 
-    Raises ValueError for an allocation that names components the graph lacks.
+    Its decisions are numbered from ``first_decision`` (``d000001`` ...). Raises
+    ValueError for an allocation that names components the graph lacks.
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class Scheduler:
         ledger: Ledger | None = None,
         free: Sequence[int] = (),
         submit_timeout_s: float = 30.0,
+        first_decision: int = 1,
     ) -> None:
         self._graph = graph
         self.config = config or SchedulerConfig()
@@ -101,7 +103,7 @@ class Scheduler:
         self.losses = LossRule(self.config)
         self.observe_only = self.config.observe_only
         self.submit_timeout_s = submit_timeout_s
-        self._counters = _Counters()
+        self._counters = _Counters(rounds=first_decision - 1)
 
     # ------------------------------------------------------------------ state
     @property

@@ -37,6 +37,8 @@ import pytest
 from fault_loop import Case
 
 from dynarl.runtime._faults import Fault, FaultAction
+from dynarl.runtime.durable._journal import read_journal
+from dynarl.runtime.durable._journal_records import MigrationBegun
 from dynarl.types import Allocation, MigrationKind
 
 pytestmark = pytest.mark.dist
@@ -188,4 +190,9 @@ def test_a_controller_killed_mid_migration_restarts_from_journal_and_checkpoint(
     digests, checksum = fault_loop.reference(steps)
     assert result["violations"] == [] and result["resumed_from"] == 1, result
     assert result["digests"] == digests and result["checksum"] == checksum
+    # The restarted controller numbered its moves past the first one's: no id twice.
+    records = read_journal(tmp_path / "journal").records
+    begun = [r.migration_id for r in records if isinstance(r, MigrationBegun)]
+    logger.warning("migrations begun: %s", begun)
+    assert len(begun) >= steps and len(set(begun)) == len(begun), begun
     logger.warning("FAULT-TABLE | SIGKILL controller | p2p.transfer | restore | restarted")

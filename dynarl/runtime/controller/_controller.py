@@ -84,8 +84,10 @@ class Controller(AsyncResource):
     controller hosts a TCPStore on loopback; ``bind`` and ``curve``: the bus server's
     address and CURVE settings (required for a routable address); ``predictor``: the
     scheduler's throughput predictor (None: a
-    :class:`~dynarl.sched.RegressionPredictor` over the components' profiles). Raises
-    ValueError for components with clashing names or devices.
+    :class:`~dynarl.sched.RegressionPredictor` over the components' profiles);
+    ``first_decision``: the number of the scheduler's first decision (a restarted
+    controller's continue past its journal's). Raises ValueError for components with
+    clashing names or devices.
 
     Entering opens, in this order, the store, the publisher, the bus server and the
     managers' endpoints, the ledger, the metrics endpoint, then starts the loops; a stage
@@ -108,6 +110,7 @@ class Controller(AsyncResource):
         bind: str = "tcp://127.0.0.1:0",
         curve: CurveServer | None = None,
         predictor: ThroughputPredictor | None = None,
+        first_decision: int = 1,
     ) -> None:
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
@@ -124,6 +127,7 @@ class Controller(AsyncResource):
         self._kill, self._journal = kill, journal
         self._given_store, self._bind, self._curve = store, bind, curve
         self._predictor = predictor
+        self._first_decision = first_decision
         self._events: asyncio.Queue[SchedulerEvent | None] = asyncio.Queue()
         self._stop = asyncio.Event()
         self.metrics: MetricsExporter | None = None
@@ -229,6 +233,7 @@ class Controller(AsyncResource):
             config=self.config.scheduler,
             ledger=self.ledger,
             free=[d for d in range(self.num_devices) if d not in held],
+            first_decision=self._first_decision,
         )
         self.faults = FaultInjector(self.config.faults, kill=self._kill)
         self.coordinator = Coordinator(

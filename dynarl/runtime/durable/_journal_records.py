@@ -186,6 +186,9 @@ class JournalState:
     steps must reproduce."""
     num_records: int = 0
     """Records folded so far."""
+    migrations_begun: int = 0
+    """Migrations ever begun: a restarted controller numbers its decisions past them, so
+    that a migration id is never journalled twice."""
 
     @property
     def resolution(self) -> Literal["none", "roll_forward", "roll_back"]:
@@ -262,7 +265,9 @@ def _begin(state: JournalState, record: MigrationBegun) -> JournalState:
         raise ValueError("migration_id must not be empty")
     MigrationKind(record.kind)
     Allocation.of(record.target)
-    return replace(state, in_flight=record, in_flight_steps=())
+    return replace(
+        state, in_flight=record, in_flight_steps=(), migrations_begun=state.migrations_begun + 1
+    )
 
 
 def _check_in_flight(state: JournalState, migration_id: str) -> None:
