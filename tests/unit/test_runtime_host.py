@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,51 @@ def test_one_role_is_active_and_the_others_sleep_with_their_state() -> None:
         "sleepy:sleep",
         "sleepy:close",
     ]
+
+
+class Cyclic(WorkerGroup, kind=ComponentKind.TOOL, name="cyclic"):
+    """A role in a reference cycle (as Megatron's modules and DDP are) holding a resource
+    whose finaliser says when it is freed."""
+
+    freed = False
+
+    def __init__(self, ctx: RoleContext) -> None:
+        self.me = self
+        self.resource = Resource()
+        weakref.finalize(self.resource, Cyclic.mark_freed)
+
+    @staticmethod
+    def mark_freed() -> None:
+        Cyclic.freed = True
+
+
+class Resource:
+    """Something native a role might hold (a process group, a socket)."""
+
+
+def test_a_torn_down_role_is_freed_at_once_even_in_a_reference_cycle() -> None:
+    compute = ComputeThread()
+
+    def context(command: Activate) -> RoleContext:
+        return RoleContext(
+            component=command.component, device=0, devices=command.devices,
+            options=command.options, epoch=command.epoch, compute=compute,
+            store=lambda: pytest.fail("no store in this test"), backend=ChannelTable(),
+        )  # fmt: skip
+
+    async def main() -> None:
+        async with asyncio.TaskGroup() as group:
+            host = RoleHost(0, group, context)
+            await host.activate(activate(Cyclic))
+            gc.disable()  # only the teardown's own collection may free it
+            try:
+                await host.deactivate("cyclic", keep=False)
+                assert Cyclic.freed
+            finally:
+                gc.enable()
+
+    asyncio.run(main())
+    compute.close()
 
 
 def test_a_role_that_cannot_be_imported_is_refused() -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
+import gc
 import logging
 import os
 import time
@@ -29,7 +29,7 @@ from dynarl._resource import AsyncResource
 from dynarl.bus import CurveServer
 from dynarl.errors import DeadlineExceeded, WorkerError
 from dynarl.runtime._job_spec import JobSpec
-from dynarl.runtime.worker import WorkerAgent, WorkerOptions
+from dynarl.runtime.worker import WorkerAgent, WorkerOptions, prepare_process
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -155,25 +155,18 @@ class SpecJob:
             msgspec.json.decode(raw, type=WorkerOptions),
             controller=context.address, device=rank, store_port=0, cpus=cpus,
         )  # fmt: skip
-        _prepare(options)
+        prepare_process(options)
         agent = WorkerAgent(options, store=context.store, curve=context.curve)
-        status = await agent.run()
+        try:
+            status = await agent.run()
+        finally:
+            gc.unfreeze()
         if status != 0:
             why = "the controller was lost" if status == 1 else "its engine died"
             raise WorkerError(f"rank {rank}: its worker left with status {status} ({why})")
         outcome = (await _wait_for(context.store, _OUTCOME_KEY, timeout, f"rank {rank}")).decode()
         if outcome != "ok":
             raise WorkerError(f"rank {rank}: the job failed on rank 0: {outcome}")
-
-
-def _prepare(options: WorkerOptions) -> None:
-    """What ``python -m dynarl.runtime.worker`` does before it serves: torch's threads,
-    the role modules."""
-    import torch
-
-    torch.set_num_threads(options.num_threads)
-    for module in options.preload:
-        importlib.import_module(module)
 
 
 async def _publish(store: Store, outcome: str) -> None:

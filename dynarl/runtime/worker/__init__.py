@@ -7,6 +7,7 @@ start it).
 from __future__ import annotations
 
 from dynarl.runtime.worker._agent import WorkerAgent
+from dynarl.runtime.worker._entry import prepare_process
 from dynarl.runtime.worker._options import WorkerOptions
 from dynarl.runtime.worker._role import (
     Checkpointing,
@@ -29,5 +30,6 @@ __all__ = [
     "Serving",
     "WorkerAgent",
     "WorkerOptions",
+    "prepare_process",
     "role_path",
 ]

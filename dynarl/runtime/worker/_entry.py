@@ -9,6 +9,7 @@ ends the process with status 1.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
@@ -18,9 +19,28 @@ from pathlib import Path
 
 from dynarl.runtime.worker._options import WorkerOptions
 
-__all__ = ["main", "run_worker"]
+__all__ = ["main", "prepare_process", "run_worker"]
 
 logger = logging.getLogger(__name__)
+
+
+def prepare_process(options: WorkerOptions) -> None:
+    """What a worker process does before it serves (launched either way): torch's
+    threads, the role modules, then the garbage collector told to leave what the imports
+    made alone.
+
+    What the imports made lives as long as the process. Frozen out of the collector's
+    sight, it no longer costs the collections that free a torn-down role or a closed
+    migration at once (their process groups, sockets and buffers often hang on reference
+    cycles): microseconds instead of a quarter of a second.
+    """
+    import torch
+
+    torch.set_num_threads(options.num_threads)
+    for module in options.preload:
+        importlib.import_module(module)
+    gc.collect()
+    gc.freeze()
 
 
 def run_worker(options: WorkerOptions) -> int:
@@ -30,11 +50,7 @@ def run_worker(options: WorkerOptions) -> int:
     """
     if options.cpus:  # first: torch's threads and every process started later inherit it
         os.sched_setaffinity(0, options.cpus)
-    import torch
-
-    torch.set_num_threads(options.num_threads)
-    for module in options.preload:
-        importlib.import_module(module)
+    prepare_process(options)
     from dynarl.bus import CurveClient, load_public_key, run
     from dynarl.runtime.worker._agent import WorkerAgent
 
@@ -42,7 +58,10 @@ def run_worker(options: WorkerOptions) -> int:
     if options.key_file:
         server_key = load_public_key(options.server_key_file)
         curve = CurveClient(key_file=Path(options.key_file), server_key=server_key)
-    return run(WorkerAgent(options, curve=curve).run())
+    try:
+        return run(WorkerAgent(options, curve=curve).run())
+    finally:
+        gc.unfreeze()  # interpreter shutdown then finalises them as usual
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,6 +13,7 @@ agent's task group.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -126,6 +127,8 @@ class RoleHost:
                 self._contexts.pop(component, None)
                 self._slept.discard(component)
                 await _maybe(role, "close")
+                del role
+                gc.collect()  # a role's native resources often hang on a reference cycle
                 logger.info("worker %d: %s torn down", self.device, component)
             return self.status()
 

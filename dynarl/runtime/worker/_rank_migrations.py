@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,7 +112,8 @@ class RankMigrations:
             case "close":
                 await self._compute.run(migration.close)
                 self._end(entry)
-                del self._entries[mid]
+                del self._entries[mid], entry, migration
+                gc.collect()  # its groups and buffers often hang on a reference cycle
                 return True, "", 0
         return False, f"unknown step {command.step!r}", 0
 
