@@ -55,11 +55,13 @@ TRACE_AT = (12, 20, 28, 36, 44)
 """At which sample a trace starts (the first), then takes a snapshot (the others)."""
 LEDGER_WINDOW = 128
 """Uncommitted-round and observation records the ledger keeps in memory (two a second)."""
-MAX_GROWTH = 150 * 1024
-"""Bytes per minute any one process may grow by after the warm-up. Measured (600 s, twice):
-the controller 89, the worker that moves 105, the trainer's 79-90, the rollout's 3 KiB/min;
-with torch's flight recorder on, the worker that moves grows by about 310 (see
-docs/testing.md). Not 100: the worker that moves is just above it."""
+MAX_GROWTH = 120 * 1024
+"""Bytes per minute any one process may grow by after the warm-up. Measured (600 s, twice,
+workers collecting a torn-down role and a closed migration at once): the controller 83-95,
+the worker that moves 28-30, the trainer's 30 (with the migration's collection; 91
+without), the rollout's 4 KiB/min; before, the worker that moves grew by 105, and by about
+310 with torch's flight recorder on (see docs/testing.md). The aim is 100; the bound leaves
+the controller a margin over its spread."""
 
 
 @pytest.mark.timeout(DURATION_S + 400)
