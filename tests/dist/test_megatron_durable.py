@@ -33,7 +33,9 @@ from dynarl.runtime import Job, RuntimeConfig
 from dynarl.runtime._durable_run import DurableConfig, DurableRun
 from dynarl.types import Allocation, MigrationKind
 
-pytestmark = [pytest.mark.dist, pytest.mark.gloo_listener_outlives_test]
+# Under ``slow`` (~70 s): in ``make test`` the chaos minute (``tests/dist/test_chaos.py``)
+# checkpoints this trainer on two ranks, restores it on one and compares with a clean run.
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.gloo_listener_outlives_test]
 
 STEPS = 3
 MEGATRON = fault_loop.Stack(name="megatron")

@@ -3,6 +3,7 @@ group a loop leaves behind; a clean loop leaves nothing."""
 
 from __future__ import annotations
 
+import mmap
 import socket
 import subprocess
 import sys
@@ -33,11 +34,14 @@ def test_growth_is_the_least_squares_slope_after_the_warm_up() -> None:
 def test_memory_fds_sockets_processes_and_groups_are_seen(tmp_path: Path) -> None:
     probe = ResourceProbe()
     baseline = probe.sample()
-    ballast = bytearray(64 * 1024 * 1024)
-    ballast[::4096] = b"x" * len(ballast[::4096])  # touch every page
+    # Fresh pages from the kernel: malloc may hand back memory an earlier test freed,
+    # already resident, and then RSS does not move.
+    ballast = mmap.mmap(-1, 64 * 1024 * 1024)
+    for offset in range(0, len(ballast), mmap.PAGESIZE):  # touch every page
+        ballast[offset] = 1
     grown = probe.sample()
     assert grown.total_rss - baseline.total_rss > 32 * 1024 * 1024
-    del ballast
+    ballast.close()
     file = (tmp_path / "f").open("w")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
