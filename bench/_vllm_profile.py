@@ -9,14 +9,18 @@ step of batch ``b`` holding on average ``b * (L + (N1 + N2) / 2)`` KV tokens (pr
 dispatch cancel). Prefill: one request of ``P`` fresh tokens generating one token, minus
 one of 16 tokens: the seconds ``P - 16`` tokens of prefill add; that one's wall time is the
 round trip (submission to output) every turn pays. Every figure is the median
-of ``REPEATS`` tries; fresh prompts never hit the prefix cache. Used by
-``bench/priority.py``; not a benchmark on its own.
+of ``repeats`` tries; fresh prompts never hit the prefix cache. The grid is a
+:class:`Grid`: :data:`FULL` for the benchmark, :data:`QUICK` (the fewest points a profile
+takes, far enough apart to measure the tiny model on a loaded CPU) for a smoke; its longest
+prompt needs a ``max_model_len`` of 961 or more. Used by ``bench/priority.py``; not a
+benchmark on its own.
 """
 
 from __future__ import annotations
 
 import itertools
 import statistics
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,14 +28,30 @@ from dynarl.demo._agent_replay import replay_trace
 from dynarl.runtime import Job
 from dynarl.sim import DecodePoint, EngineProfile, IterationTrace, PrefillPoint
 
-__all__ = ["profile_engine"]
+__all__ = ["FULL", "QUICK", "Grid", "profile_engine"]
 
-BATCHES = (1, 2, 4, 8)
-CONTEXTS = (128, 512)
-N1, N2 = 8, 72
-PROMPTS = (128, 384, 768, 1280)
 BASE_PROMPT = 16
-REPEATS = 3
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Grid:
+    """The points a profiling pass measures."""
+
+    batches: tuple[int, ...]
+    """Decode batch sizes ``b``."""
+    contexts: tuple[int, ...]
+    """Decode prompt lengths ``L``."""
+    outputs: tuple[int, int]
+    """``(N1, N2)``: the short and the long run's output tokens."""
+    prompts: tuple[int, ...]
+    """Prefill prompt lengths ``P``."""
+    repeats: int
+    """Tries of every point (their median is kept)."""
+
+
+FULL = Grid(batches=(1, 2, 4, 8), contexts=(128, 512), outputs=(8, 72),
+            prompts=(128, 384, 768, 1280), repeats=3)  # fmt: skip
+QUICK = Grid(batches=(1, 2), contexts=(16, 128), outputs=(2, 34), prompts=(64, 960), repeats=3)
 
 
 def _single_turns(batch: int, prompt: int, output: int, iteration: int) -> IterationTrace:
@@ -47,8 +67,10 @@ def _single_turns(batch: int, prompt: int, output: int, iteration: int) -> Itera
     )
 
 
-async def profile_engine(job: Job, *, vocab: int, seed: int = 1000) -> EngineProfile:
-    """Profile the engine behind ``job``'s rollout (see the module docstring)."""
+async def profile_engine(
+    job: Job, *, vocab: int, seed: int = 1000, grid: Grid = FULL
+) -> EngineProfile:
+    """Profile the engine behind ``job``'s rollout on ``grid`` (see the module docstring)."""
     runs = itertools.count(seed)
 
     async def seconds(batch: int, prompt: int, output: int) -> float:
@@ -58,16 +80,17 @@ async def profile_engine(job: Job, *, vocab: int, seed: int = 1000) -> EnginePro
 
     await seconds(1, BASE_PROMPT, 4)  # warm-up
     decode, prefill, trips = [], [], []
-    for batch, length in itertools.product(BATCHES, CONTEXTS):
+    n1, n2 = grid.outputs
+    for batch, length in itertools.product(grid.batches, grid.contexts):
         steps = []
-        for _ in range(REPEATS):
-            short = await seconds(batch, length, N1)
-            steps.append((await seconds(batch, length, N2) - short) / (N2 - N1))
-        kv = batch * (length + (N1 + N2) / 2)
+        for _ in range(grid.repeats):
+            short = await seconds(batch, length, n1)
+            steps.append((await seconds(batch, length, n2) - short) / (n2 - n1))
+        kv = batch * (length + (n1 + n2) / 2)
         decode.append(DecodePoint(batch=batch, kv_tokens=kv, step_s=statistics.median(steps)))
-    for tokens in PROMPTS:
+    for tokens in grid.prompts:
         extra = []
-        for _ in range(REPEATS):
+        for _ in range(grid.repeats):
             base = await seconds(1, BASE_PROMPT, 1)
             trips.append(base)
             extra.append(await seconds(1, tokens, 1) - base)

@@ -28,7 +28,8 @@ preemptions, waits (p50/p99/max) and the most overtakes a request suffered (asse
 The DynaRL key's cached-prefix term comes from the dispatcher's shadow of the engine's
 cache (``ComponentSpec.prefix_cache``: 128-token blocks, the engine's KV blocks), checked
 against every request's reported ``cached_tokens`` (``shadow_exact``, ``shadow_error``:
-the share predicted exactly, the mean error in tokens).
+the share predicted exactly, the mean error in tokens). The shadow is given the blocks
+vLLM can fill: ``--kv-blocks`` less the null block vLLM keeps back.
 
 **The simulator against the engine.** On the control server, before any policy run, a
 profiling pass (``bench/_vllm_profile.py``: decode step time by batch and KV, prefill
@@ -48,22 +49,33 @@ Last line, JSON: ``pressure``/``control`` figures, ``pressure_verified``, per po
 digest, the profile, the predictions and their errors).
 
     .venv/bin/python bench/priority.py [--episodes N] [--kv-blocks N] [--reps N] [--seed N]
+
+``--url`` runs everything (control, profile, policies) on one running server instead of
+starting two, its KV and block size read from its ``/metrics``; with
+``--max-num-seqs``/``--max-model-len`` set to that server's and ``--quick-profile`` (the
+fewest profiling points), it is the smoke in ``make test`` (one episode on the shared test
+server, tests/engines/test_agent_replay.py). Such a run verifies no cache pressure unless
+the server's KV is small, and its exit status asks none.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
+import re
 import statistics
 import sys
 import tempfile
+import urllib.request
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _vllm_profile import profile_engine
+from _vllm_profile import FULL, QUICK, Grid, profile_engine
 
 from dynarl.backends.serving import EngineRollout, EngineSetup
 from dynarl.backends.vllm import VLLMClient, VLLMClientConfig, VLLMServer, VLLMServerConfig
@@ -111,7 +123,9 @@ POLICIES: dict[str, RequestPolicy] = {
 """The runs of one round; ``fifo-aa`` is FIFO again (the A/A pair)."""
 
 
-def trace(num_prompts: int, group_size: int, seed: int) -> IterationTrace:
+def trace(
+    num_prompts: int, group_size: int, seed: int, max_seq_len: int = MAX_MODEL_LEN
+) -> IterationTrace:
     """The bench's trace: 300-token prompts shared by a group, 3 tool calls on average,
     150-token observations, turns of ~64 tokens shrinking by 0.8 per turn."""
     return agentic_trace(
@@ -119,7 +133,7 @@ def trace(num_prompts: int, group_size: int, seed: int) -> IterationTrace:
         seed=seed,
         batch=BatchSpec(
             num_prompts=num_prompts, group_size=group_size, num_minibatches=1,
-            max_seq_len=MAX_MODEL_LEN,
+            max_seq_len=max_seq_len,
         ),
         lengths=LengthSpec(prompt_median=300, prompt_sigma=0.3, output_median=64,
                            output_sigma=0.5),
@@ -162,63 +176,92 @@ class Run:
         }
 
 
-def server_config(model: Path, work: Path, kv_blocks: int | None) -> VLLMServerConfig:
-    """One engine: ``kv_blocks`` of KV (None: ample), ``MAX_NUM_SEQS`` running."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Setup:
+    """The engines the runs assume."""
+
+    kv_blocks: int
+    """The pressure server's KV blocks (vLLM's ``num_gpu_blocks``, its null block included)."""
+    control_blocks: int = AMPLE_BLOCKS
+    """The control server's, as its shadow sees them."""
+    max_num_seqs: int = MAX_NUM_SEQS
+    """Requests an engine runs at once; the dispatcher admits as many."""
+    max_model_len: int = MAX_MODEL_LEN
+    url: str | None = None
+    """A running server for every run (None: the bench starts a control and a pressure
+    server)."""
+    grid: Grid = FULL
+    """The profiling pass's points."""
+
+
+def server_config(model: Path, work: Path, kv_blocks: int | None, setup: Setup) -> VLLMServerConfig:
+    """One engine: ``kv_blocks`` of KV (None: ample), ``setup.max_num_seqs`` running."""
     return VLLMServerConfig(
         model=str(model), python=sys.executable, dtype="float32", enforce_eager=True,
-        max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+        max_model_len=setup.max_model_len, max_num_seqs=setup.max_num_seqs,
         num_gpu_blocks_override=kv_blocks, cpu_kvcache_space_gib=1,
         cpu_omp_threads_bind="nobind", omp_num_threads=1,
         env=(("HF_HUB_OFFLINE", "1"),), log_dir=str(work / "logs"), startup_timeout_s=600,
     )  # fmt: skip
 
 
-def rollout_job(server: VLLMServer, work: Path, policy: RequestPolicy, kv_blocks: int) -> Job:
-    """A job whose rollout is ``server`` behind the runtime's dispatcher: the queue held and
-    ordered by ``policy``, ``MAX_NUM_SEQS`` admitted, a shadow of ``kv_blocks`` blocks, the
-    scheduler observing only."""
-    setup = EngineSetup(urls={"0": server.url}, max_num_seqs=MAX_NUM_SEQS, ignore_eos=True)
+def rollout_job(
+    url: str, work: Path, policy: RequestPolicy, kv_blocks: int, max_num_seqs: int
+) -> Job:
+    """A job whose rollout is the server at ``url`` behind the runtime's dispatcher: the
+    queue held and ordered by ``policy``, ``max_num_seqs`` admitted, a shadow of the
+    ``kv_blocks - 1`` blocks vLLM can fill (one is its null block), the scheduler
+    observing only."""
+    setup = EngineSetup(urls={"0": url}, max_num_seqs=max_num_seqs, ignore_eos=True)
+    cache = PrefixCache(block_size=BLOCK, capacity_blocks=kv_blocks - 1)
     spec = ComponentSpec(
         role=EngineRollout, devices=(0,), options=setup.to_options(),
-        max_inflight=MAX_NUM_SEQS, request_policy=policy, max_overtakes=MAX_OVERTAKES,
-        prefix_cache=PrefixCache(block_size=BLOCK, capacity_blocks=kv_blocks),
+        max_inflight=max_num_seqs, request_policy=policy, max_overtakes=MAX_OVERTAKES,
+        prefix_cache=cache,
     )  # fmt: skip
     runtime = RuntimeConfig(scheduler=SchedulerConfig(observe_only=True))
     return Job([spec], JobConfig(num_devices=1, run_dir=str(work), runtime=runtime))
 
 
 async def replay_on(
-    server: VLLMServer,
+    url: str,
     work: Path,
     policy: RequestPolicy,
     it: IterationTrace,
     kv_blocks: int,
+    max_num_seqs: int = MAX_NUM_SEQS,
 ) -> Run:
-    """Replay ``it`` through a fresh job on ``server`` (its prefix cache reset first) with
-    ``policy`` ordering the dispatcher's queue."""
-    async with VLLMClient(VLLMClientConfig(base_url=server.url)) as client:
-        await client.reset_prefix_cache()
-        before = await client.load()
-        peak = [0.0]
+    """Replay ``it`` through a fresh job on the server at ``url`` with ``policy`` ordering
+    the dispatcher's queue (:func:`replay_in`)."""
+    async with (
+        VLLMClient(VLLMClientConfig(base_url=url)) as client,
+        rollout_job(url, work, policy, kv_blocks, max_num_seqs) as job,
+    ):
+        return await replay_in(job, client, it)
 
-        async def poll() -> None:
-            while True:
-                peak[0] = max(peak[0], (await client.load()).kv_cache_usage)
-                await asyncio.sleep(0.05)
 
-        job = rollout_job(server, work, policy, kv_blocks)
-        async with job, asyncio.TaskGroup() as group:
-            poller = group.create_task(poll())
-            try:
-                report = await replay_trace(job, it, vocab=VOCAB)
-            finally:
-                poller.cancel()
-            dispatcher = job.controller.manager("rollout").dispatcher
-            assert dispatcher is not None
-            overtakes = dispatcher.router.max_overtakes_seen
-            assert dispatcher.shadows is not None
-            check = dispatcher.shadows.check
-        after = await client.load()
+async def replay_in(job: Job, client: VLLMClient, it: IterationTrace) -> Run:
+    """Replay ``it`` through ``job`` on ``client``'s server, its prefix cache reset first;
+    the shadow's figures are those of ``job`` so far (a fresh job: this replay)."""
+    await client.reset_prefix_cache()
+    before = await client.load()
+    peak = [0.0]
+
+    async def poll() -> None:
+        while True:
+            peak[0] = max(peak[0], (await client.load()).kv_cache_usage)
+            await asyncio.sleep(0.05)
+
+    async with asyncio.TaskGroup() as group:
+        poller = group.create_task(poll())
+        try:
+            report = await replay_trace(job, it, vocab=VOCAB)
+        finally:
+            poller.cancel()
+    dispatcher = job.controller.manager("rollout").dispatcher
+    assert dispatcher is not None and dispatcher.shadows is not None
+    check = dispatcher.shadows.check
+    after = await client.load()
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits
     return Run(
@@ -226,38 +269,67 @@ async def replay_on(
         kv_peak=peak[0],
         preemptions=after.num_preemptions - before.num_preemptions,
         engine_hit_rate=hits / queries if queries else 0.0,
-        max_overtakes=overtakes,
+        max_overtakes=dispatcher.router.max_overtakes_seen,
         shadow_exact=check.exact_share,
         shadow_error=check.abs_error_tokens / max(1, check.predictions),
     )
 
 
+@contextlib.asynccontextmanager
+async def serving(
+    setup: Setup, model: Path, work: Path, kv_blocks: int | None
+) -> AsyncIterator[str]:
+    """The URL of a server: ``setup.url`` as it is, or one started on ``model`` with
+    ``kv_blocks`` of KV (None: ample)."""
+    if setup.url is not None:
+        yield setup.url
+        return
+    async with VLLMServer(server_config(model, work, kv_blocks, setup)) as server:
+        yield server.url
+
+
 async def all_runs(
-    model: Path, work: Path, kv_blocks: int, it: IterationTrace, reps: int
+    setup: Setup, model: Path, work: Path, it: IterationTrace, reps: int
 ) -> tuple[Run, Run, dict[str, list[Run]], EngineProfile, RolloutSpec]:
-    """The control (ample KV) and the profiling pass (the simulator's model fitted and
-    frozen), then on the pressure server every policy ``reps`` times."""
-    async with VLLMServer(server_config(model, work / "control", None)) as server:
-        ample = AMPLE_BLOCKS
-        control = await replay_on(server, work / "control" / "run", FifoPolicy(), it, ample)
-        async with rollout_job(server, work / "profile", FifoPolicy(), ample) as job:
-            profile = await profile_engine(job, vocab=VOCAB)
-    spec = vllm_spec(profile, kv_blocks)
+    """The control (ample KV) and the profiling pass in the same job (the simulator's model
+    fitted and frozen), then on the pressure server every policy ``reps`` times."""
+    seqs, ample = setup.max_num_seqs, setup.control_blocks
+    async with (
+        serving(setup, model, work / "control", None) as url,
+        VLLMClient(VLLMClientConfig(base_url=url)) as client,
+        rollout_job(url, work / "control" / "run", FifoPolicy(), ample, seqs) as job,
+    ):
+        control = await replay_in(job, client, it)
+        profile = await profile_engine(job, vocab=VOCAB, grid=setup.grid)
+    spec = vllm_spec(profile, setup.kv_blocks, seqs)
     print(f"simulator model frozen before the policy runs: {spec_digest(spec)}", flush=True)
     runs: dict[str, list[Run]] = {name: [] for name in POLICIES}
     names = list(POLICIES)
-    async with VLLMServer(server_config(model, work / "pressure", kv_blocks)) as server:
+    async with serving(setup, model, work / "pressure", setup.kv_blocks) as url:
         for rep in range(reps):
             shift = rep % len(names)
             for name in names[shift:] + names[:shift]:
                 where = work / f"{name}-{rep}"
-                run = await replay_on(server, where, POLICIES[name], it, kv_blocks)
+                run = await replay_on(url, where, POLICIES[name], it, setup.kv_blocks, seqs)
                 runs[name].append(run)
                 print(f"round {rep + 1} {name:>8}: {run.report.wall_s:.2f} s", flush=True)
     return runs["fifo"][0], control, runs, profile, spec
 
 
-def vllm_spec(profile: EngineProfile, kv_blocks: int) -> RolloutSpec:
+def server_blocks(url: str) -> int:
+    """The KV blocks of the server at ``url`` (``vllm:cache_config_info`` in its
+    ``/metrics``). SystemExit unless its blocks are ``BLOCK`` tokens (the bench models vLLM's
+    CPU backend)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    info = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.MULTILINE)
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1))) if info else {}
+    if labels.get("block_size") != str(BLOCK) or not labels.get("num_gpu_blocks"):
+        raise SystemExit(f"{url}: blocks of {BLOCK} tokens expected, found {labels}")
+    return int(labels["num_gpu_blocks"])
+
+
+def vllm_spec(profile: EngineProfile, kv_blocks: int, max_num_seqs: int) -> RolloutSpec:
     """The simulator's model of the pressure server: its configuration, the profile's
     speeds. vLLM keeps one of its KV blocks as the null block; it reserves nothing for
     future tokens (blocks are allocated as decoding goes) and preempts the newest running
@@ -266,7 +338,7 @@ def vllm_spec(profile: EngineProfile, kv_blocks: int) -> RolloutSpec:
     prompt's blocks while they run, and a freed sequence's blocks are evicted last first
     (``shared_prefix``)."""
     base = RolloutSpec(
-        tp=1, kv_capacity_tokens=(kv_blocks - 1) * BLOCK, max_running_requests=MAX_NUM_SEQS,
+        tp=1, kv_capacity_tokens=(kv_blocks - 1) * BLOCK, max_running_requests=max_num_seqs,
         step_fixed_s=1.0, step_per_seq_s=0.0, step_per_kv_token_s=0.0, prefill_tokens_per_s=1.0,
         new_token_ratio=0.0, min_new_token_ratio=0.0, retract_decode_steps=8,
         cache_block_tokens=BLOCK, shared_prefix=True,
@@ -275,13 +347,17 @@ def vllm_spec(profile: EngineProfile, kv_blocks: int) -> RolloutSpec:
 
 
 def predictions(
-    spec: RolloutSpec, it: IterationTrace, measured: dict[str, float], control_s: float
+    spec: RolloutSpec,
+    it: IterationTrace,
+    measured: dict[str, float],
+    control_s: float,
+    setup: Setup,
 ) -> dict[str, Any]:
     """The frozen model's iteration time of every policy (and of the control) on ``it``,
     with its relative error against the measured medians."""
     root = Path(__file__).resolve().parents[1]
     base = load_workload(root / "examples" / "workloads" / "agentic-7b-64gpu.toml")
-    batch = dataclasses.replace(base.batch, max_seq_len=MAX_MODEL_LEN)
+    batch = dataclasses.replace(base.batch, max_seq_len=setup.max_model_len)
     workload = dataclasses.replace(base, rollout=spec, batch=batch)
     out: dict[str, Any] = {}
     for name, policy in POLICIES.items():
@@ -293,7 +369,7 @@ def predictions(
             "reprefill_tokens": replay.reprefill_tokens,
             "retractions": replay.retractions,
         }
-    ample = dataclasses.replace(spec, kv_capacity_tokens=AMPLE_BLOCKS * BLOCK)
+    ample = dataclasses.replace(spec, kv_capacity_tokens=(setup.control_blocks - 1) * BLOCK)
     control = replay_rollout(dataclasses.replace(workload, rollout=ample), it, FifoPolicy())
     out["control"] = {
         "iteration_s": round(control.iteration_s, 3),
@@ -314,19 +390,36 @@ def summary(runs: list[Run]) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--episodes", type=int, default=32, help="episodes (groups of 4)")
+    parser.add_argument("--episodes", type=int, default=32, help="episodes (groups of up to 4)")
     parser.add_argument("--kv-blocks", type=int, default=16, help="pressure run's KV blocks")
     parser.add_argument("--reps", type=int, default=5, help="rounds of every policy")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    it = trace(max(1, args.episodes // 4), 4, args.seed)
+    parser.add_argument("--url", help="a running server for every run (its KV as it is)")
+    parser.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS)
+    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    parser.add_argument("--quick-profile", action="store_true", help="the fewest points")
+    args = parser.parse_args(argv)
+    group = min(4, args.episodes)
+    it = trace(max(1, args.episodes // group), group, args.seed, args.max_model_len)
     with tempfile.TemporaryDirectory(prefix="dynarl-priority-") as tmp:
         work = Path(tmp)
-        model = write_tiny_llama(work / "model", seed=0, max_position_embeddings=MAX_MODEL_LEN)
+        if args.url is None:
+            setup = Setup(kv_blocks=args.kv_blocks)
+            model = write_tiny_llama(
+                work / "model", seed=0, max_position_embeddings=args.max_model_len
+            )
+        else:
+            blocks = server_blocks(args.url)
+            setup = Setup(kv_blocks=blocks, control_blocks=blocks, url=args.url)
+            model = work / "unused"
+        setup = dataclasses.replace(
+            setup, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+            grid=QUICK if args.quick_profile else FULL,
+        )  # fmt: skip
         pressure, control, runs, profile, spec = asyncio.run(
-            all_runs(model, work, args.kv_blocks, it, args.reps)
+            all_runs(setup, model, work, it, args.reps)
         )
     figures: dict[str, Any] = {"pressure": pressure.figures(), "control": control.figures()}
     figures["pressure_verified"] = (
@@ -353,7 +446,7 @@ def main() -> int:
         )
     bound_held = all(r.max_overtakes <= MAX_OVERTAKES for v in runs.values() for r in v)
     measured = {name: p["iteration_s"] for name, p in policies.items()}
-    predicted = predictions(spec, it, measured, control.report.wall_s)
+    predicted = predictions(spec, it, measured, control.report.wall_s, setup)
     sim_gain = predicted["fifo"]["iteration_s"] / predicted["dynarl"]["iteration_s"] - 1.0
     for name, p in predicted.items():
         print(f"sim {name:>8}: {p['iteration_s']:.2f} s (error {p['error']:+.1%})")
@@ -373,14 +466,16 @@ def main() -> int:
             "predicted": predicted,
             "predicted_gain_over_fifo": round(sim_gain, 4),
         },
-        kv_blocks=args.kv_blocks,
+        kv_blocks=setup.kv_blocks,
+        url=setup.url,
         reps=args.reps,
         episodes=it.num_samples,
         turns_in_trace=int(it.turn_start[-1]),
     )
     sys.stdout.flush()
     print(json.dumps(figures))
-    return 0 if figures["pressure_verified"] and bound_held else 1
+    pressure_asked = setup.url is None
+    return 0 if (figures["pressure_verified"] or not pressure_asked) and bound_held else 1
 
 
 if __name__ == "__main__":

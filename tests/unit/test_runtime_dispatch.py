@@ -323,7 +323,8 @@ def test_rlinf_303_a_resumed_sequence_at_its_limit_is_not_returned_twice() -> No
 class CachingWorkers(Workers):
     """Workers whose engine reports ``cached_tokens`` as an ideal block cache would: the
     longest whole-block prefix of the prompt that a finished sequence shared, never the
-    last token (ample capacity: nothing is evicted)."""
+    prompt's last token nor the sequence's (whose KV was never computed; ample capacity:
+    nothing is evicted)."""
 
     BLOCK = 4
 
@@ -337,7 +338,7 @@ class CachingWorkers(Workers):
         prompt = [int(t) for t in unpack_tokens(item.token_ids)]
         shared = max((_common(prompt[:-1], seq) for seq in self.finished), default=0)
         result = await super().serve(device, item, deadline_s=deadline_s)
-        self.finished.append([int(t) for t in unpack_tokens(result.token_ids)])
+        self.finished.append([int(t) for t in unpack_tokens(result.token_ids)][:-1])
         cached = shared // self.BLOCK * self.BLOCK
         return msgspec.structs.replace(
             result, metadata={**result.metadata, "cached_tokens": cached}
@@ -372,7 +373,7 @@ def test_the_cache_shadow_puts_a_cached_prefix_first_and_predicts_the_engine(pol
         d.submit([request("x", [50, 51, 52], 30)])  # holds the only slot a while
         await asyncio.sleep(0.01)
         d.submit([request("b", [60, 61, 62, 63, 64, 65, 66, 67, 68], 3)])  # nothing cached
-        d.submit([request("c", [*context, 70, 71], 3)])  # a's 16 tokens cached
+        d.submit([request("c", [*context, 70, 71], 3)])  # a's first 12 of 16 tokens cached
         await delivered(out, 4)
 
     async def main() -> tuple[list[Sample], Dispatcher]:
@@ -398,7 +399,7 @@ def test_the_cache_shadow_puts_a_cached_prefix_first_and_predicts_the_engine(pol
     out, dispatcher = asyncio.run(main())
     assert workers.order == (["a", "x", "c", "b"] if policy == "priority" else ["a", "x", "b", "c"])
     c = next(s for s in out if s.sample_id == "c")
-    assert c.metadata["cached_tokens"] == 16
+    assert c.metadata["cached_tokens"] == 12
     assert dispatcher.shadows is not None
     check = dispatcher.shadows.check
     assert check.predictions == 4 and check.exact == 4 and check.abs_error_tokens == 0

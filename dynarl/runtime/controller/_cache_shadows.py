@@ -4,12 +4,14 @@ request key (DynaRL's m_r), estimated, and checked against what the engines repo
 One :class:`~dynarl.sched.PrefixShadow` per worker (``ComponentSpec.prefix_cache``, a
 :class:`~dynarl.sched.PrefixCache`: block size and capacity, as the engine is configured).
 A queued generation request's ``cached_prefix`` is what the shadow of its worker says its
-prompt would find; a request sent there has its prompt cached in the shadow at once (its
-prefill computes it); whenever one ends, its blocks are released, its prompt and output
-become cached, and every request waiting on that worker is re-keyed.
-The prediction made when a request goes out is compared with the ``cached_tokens`` its
-engine reports (:class:`ShadowCheck`), so the model's error is measured, not assumed. Runs
-on the dispatcher's loop.
+prompt would find now. A request sent there is submitted to the shadow, which starts it
+once its prompt's blocks fit (the engine's own waiting queue), taking its blocks and
+caching its prompt; whenever one ends, what it computed is cached, its blocks are freed,
+the requests that now fit start, and every request waiting on that worker is re-keyed.
+The prediction of a request is the hit the shadow gives it when it starts there (until
+then, and if the shadow never starts it before it ends, the hit when it was sent); it is
+compared with the ``cached_tokens`` its engine reports (:class:`ShadowCheck`), so the
+model's error is measured, not assumed. Runs on the dispatcher's loop.
 """
 
 from __future__ import annotations
@@ -75,31 +77,37 @@ class CacheShadows:
             router.evict(worker, update)
 
     def dispatched(self, worker: int, progress: Progress) -> None:
-        """A request goes out to ``worker``: it holds its blocks; remember the prediction."""
+        """A request goes out to ``worker``: submitted to its shadow; its prediction is
+        the hit it has now, or the one it gets when the shadow starts it."""
         if not isinstance(progress.original, GenerationRequest):
             return
-        request = progress.next_request()
-        assert isinstance(request, GenerationRequest)
         prompt = _prompt(progress)
         shadow = self._shadow(worker)
         self._predicted[progress.item_id] = shadow.cached(prompt)
-        shadow.hold(progress.item_id, len(prompt) + request.max_new_tokens)
-        shadow.insert(prompt)  # its full blocks are cached once its prefill has run
+        # an attempt whose end the shadow never heard of (its send was cancelled) goes first
+        self._started(shadow.finish(progress.item_id))
+        self._started(shadow.submit(progress.item_id, prompt))
 
     def ended(self, worker: int, progress: Progress, result: Sample | None) -> None:
-        """A request on ``worker`` ended (``result``: its output; None: it failed): its
-        blocks are released, what it computed is cached, the prediction is checked."""
+        """A request on ``worker`` ended (``result``: its prompt and output; None: it
+        failed): the shadow caches what it computed and frees its blocks; the prediction
+        is checked."""
         shadow = self._shadow(worker)
-        shadow.release(progress.item_id)
+        tokens = None if result is None else [int(t) for t in unpack_tokens(result.token_ids)]
         predicted = self._predicted.pop(progress.item_id, None)
+        self._started(shadow.finish(progress.item_id, tokens))
         if result is None:
             return
-        shadow.insert([int(t) for t in unpack_tokens(result.token_ids)])
         reported = result.metadata.get(_CACHED)
         if predicted is not None and isinstance(reported, int):
             self.check.predictions += 1
             self.check.exact += predicted == reported
             self.check.abs_error_tokens += abs(predicted - reported)
+
+    def _started(self, hits: dict[str, int]) -> None:
+        for item_id, hit in hits.items():
+            if item_id in self._predicted:
+                self._predicted[item_id] = hit
 
     def forget(self, worker: int) -> None:
         """``worker`` left: its shadow goes (a worker that comes back starts empty)."""
