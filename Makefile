@@ -9,7 +9,7 @@ ENGINES_STAMP := $(VENV)/.engines-stamp
 export HYPOTHESIS_PROFILE ?= ci
 LINT_PATHS := $(wildcard dynarl tests examples bench)
 
-.PHONY: demo test test-slow test-sglang lint bench venv clean sglang-env chaos
+.PHONY: demo test test-slow test-sglang lint bench bench-priority venv clean sglang-env chaos
 
 venv: $(STAMP)
 
@@ -63,10 +63,13 @@ test: lint $(ENGINES_STAMP)
 test-slow: $(ENGINES_STAMP)
 	$(PYTEST) -m slow
 
-# The SGLang conformance and role tests against a real server too (not in `make test`: the
-# environment takes minutes and 3.2 GB to build, and the real half ~10 minutes on 2 cores).
+# The SGLang conformance and role tests against a real server too, and the priority bench's
+# one-episode smoke on it (not in `make test`: the environment takes minutes and 3.2 GB to
+# build).
 test-sglang: sglang-env $(ENGINES_STAMP)
-	$(PYTEST) tests/engines/test_sglang_conformance.py tests/engines/test_sglang_role.py
+	$(PYTEST) tests/engines/test_sglang_conformance.py tests/engines/test_sglang_role.py \
+	  tests/engines/test_agent_replay.py::test_the_priority_bench_runs_one_episode_on_a_real_sglang_server \
+	  tests/engines/test_agent_replay.py::test_sglang_caches_a_prompt_after_the_prefill_batch_that_computed_it
 
 # The durable job across three network namespaces under seeded faults (root: it makes
 # them); prints faults, outcomes, samples lost/duplicated, recovery times, RSS and fds.
@@ -78,6 +81,14 @@ chaos: $(STAMP)
 
 bench: $(ENGINES_STAMP)
 	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+
+# Request priority on a real engine (issue 20): verified cache pressure, five policies x
+# PRIORITY_REPS rounds, the simulator's predictions; ~16 minutes on SGLang. SGLang builds
+# its environment first; PRIORITY_ENGINE=vllm runs it on vLLM.
+PRIORITY_ENGINE ?= sglang
+PRIORITY_REPS ?= 5
+bench-priority: $(ENGINES_STAMP) $(if $(filter sglang,$(PRIORITY_ENGINE)),sglang-env)
+	$(PY) bench/priority.py --engine $(PRIORITY_ENGINE) --reps $(PRIORITY_REPS)
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info .mypy_cache .ruff_cache .hypothesis

@@ -2,19 +2,21 @@
 own noise (issue 20).
 
 A seeded multi-turn agentic trace (``dynarl.sim.agentic_trace``: turns, output lengths with
-EOS ignored, tool latencies, observations; prompts and observations spanning several of the
-CPU backend's 128-token blocks) is replayed through a ``dynarl.Job`` on one real vLLM server
-(``dynarl.demo._agent_replay``): the runtime's dispatcher holds the queue (FIFO here) and
-admits up to ``max_num_seqs`` requests; the engine's own queue stays empty. The trace runs
-twice on the same tiny random Llama:
+EOS ignored, tool latencies, observations; prompts and observations spanning several of
+vLLM's 128-token CPU blocks) is replayed through a ``dynarl.Job`` on one real server —
+``--engine vllm`` (the default) or ``--engine sglang`` (SGLang 0.5.23 from ``make
+sglang-env``; ``bench/_priority_engines.py`` holds what differs) — by
+``dynarl.demo._agent_replay``: the runtime's dispatcher holds the queue (FIFO here) and
+admits up to ``max_num_seqs`` requests. The trace runs twice on the same tiny random Llama:
 
-- **pressure**: a KV cache of ``--kv-blocks`` blocks (``--num-gpu-blocks-override``), small
-  enough to evict;
-- **control**: the same trace with ample KV (1 GiB, ~500k tokens).
+- **pressure**: a small KV cache, ``--kv`` in the engine's unit (vLLM: 16 blocks,
+  ``--num-gpu-blocks-override``; SGLang: 2,048 tokens, ``--max-total-tokens``);
+- **control**: the same trace with ample KV (vLLM: 1 GiB, ~500k tokens; SGLang: 500k).
 
-The pressure run is accepted only if its KV use reached 95% (polled every 50 ms from
-``/metrics``), the engine preempted (``vllm:num_preemptions_total`` grew) and its prefix hit
-rate is below the control's.
+The pressure run is accepted only if its KV use reached 95% (polled every 50 ms), the
+engine preempted, retracted or evicted (vLLM: ``vllm:num_preemptions_total`` grew; SGLang:
+``sglang:num_retracted_requests_total`` or ``sglang:evicted_tokens_total``) and its prefix
+hit rate is below the control's.
 
 Then, on the pressure server, the policies — FIFO (twice: an A/A pair whose difference is
 the noise floor), DynaRL's key (``PriorityPolicy``: tool calls done, then cached prefix),
@@ -26,18 +28,19 @@ preemptions, waits (p50/p99/max) and the most overtakes a request suffered (asse
 ``<= max_overtakes``). A gain over FIFO is claimed only above the A/A spread.
 
 The DynaRL key's cached-prefix term comes from the dispatcher's shadow of the engine's
-cache (``ComponentSpec.prefix_cache``: 128-token blocks, the engine's KV blocks), checked
+cache (``ComponentSpec.prefix_cache``: vLLM's 128-token blocks, SGLang's tokens), checked
 against every request's reported ``cached_tokens`` (``shadow_exact``, ``shadow_error``:
-the share predicted exactly, the mean error in tokens). The shadow is given the blocks
-vLLM can fill: ``--kv-blocks`` less the null block vLLM keeps back.
+the share predicted exactly, the mean error in tokens). On vLLM the shadow is given the
+blocks vLLM can fill: ``--kv`` less the null block vLLM keeps back.
 
 **The simulator against the engine.** On the control server, before any policy run, a
 profiling pass (``bench/_vllm_profile.py``: decode step time by batch and KV, prefill
 speed, measured through a job as the policies drive the engine) calibrates the simulator's
-engine model — vLLM's configuration as a
-``RolloutSpec``: the pressure run's KV less vLLM's null block, ``max_num_seqs``, no
-reserve for future tokens (vLLM allocates blocks as decoding goes), whole 128-token blocks
-reused from the prefix cache — which is frozen and named by its hash
+engine model — the engine's configuration as a ``RolloutSpec`` (``Engine.spec``: for vLLM
+the pressure run's KV less its null block, no reserve for future tokens, whole 128-token
+blocks reused, a prompt cached as it is scheduled; for SGLang its KV in tokens, its
+decaying reserve and retraction, token-granular reuse, a prompt cached when its prefill
+batch ends) — which is frozen and named by its hash
 (``sim.model_digest``) before the policies run. ``dynarl.sim.replay_rollout`` then predicts
 every policy's iteration time on the same trace (and the control's); the errors are
 reported per policy, and ``sim_gain_error`` is the predicted minus the measured gain of
@@ -48,13 +51,15 @@ Last line, JSON: ``pressure``/``control`` figures, ``pressure_verified``, per po
 ``aa_noise``, ``priority_gain_over_fifo``, ``sim_gain_error``, and ``sim`` (the model, its
 digest, the profile, the predictions and their errors).
 
-    .venv/bin/python bench/priority.py [--episodes N] [--kv-blocks N] [--reps N] [--seed N]
+    .venv/bin/python bench/priority.py [--engine vllm|sglang] [--episodes N] [--kv N]
+        [--reps N] [--seed N]
 
 ``--url`` runs everything (control, profile, policies) on one running server instead of
-starting two, its KV and block size read from its ``/metrics``; with
+starting two, its KV read from it; with
 ``--max-num-seqs``/``--max-model-len`` set to that server's and ``--quick-profile`` (the
-fewest profiling points), it is the smoke in ``make test`` (one episode on the shared test
-server, tests/engines/test_agent_replay.py). Such a run verifies no cache pressure unless
+fewest profiling points), it is the smoke in ``make test`` (one episode on the shared vLLM test
+server, tests/engines/test_agent_replay.py; on the shared SGLang one in ``make
+test-sglang``). Such a run verifies no cache pressure unless
 the server's KV is small, and its exit status asks none.
 """
 
@@ -65,26 +70,23 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import re
 import statistics
 import sys
 import tempfile
-import urllib.request
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _priority_engines import CONTEXT_MARGIN, ENGINES, Engine
 from _vllm_profile import FULL, QUICK, Grid, profile_engine
 
-from dynarl.backends.serving import EngineRollout, EngineSetup
-from dynarl.backends.vllm import VLLMClient, VLLMClientConfig, VLLMServer, VLLMServerConfig
+from dynarl.backends.serving import EngineRollout
 from dynarl.demo._agent_replay import ReplayReport, replay_trace
 from dynarl.runtime import ComponentSpec, Job, JobConfig, RuntimeConfig
 from dynarl.sched import (
     FifoPolicy,
     LeastAttainedServicePolicy,
-    PrefixCache,
     PriorityPolicy,
     RequestPolicy,
     SchedulerConfig,
@@ -109,10 +111,6 @@ VOCAB = 380
 MAX_NUM_SEQS = 8
 MAX_MODEL_LEN = 1536
 MAX_OVERTAKES = 64
-BLOCK = 128
-"""vLLM's CPU backend caches whole blocks of 128 tokens."""
-AMPLE_BLOCKS = 4000
-"""The control's KV (1 GiB of the tiny model: ~500k tokens), as the shadow sees it."""
 POLICIES: dict[str, RequestPolicy] = {
     "fifo": FifoPolicy(),
     "fifo-aa": FifoPolicy(),
@@ -152,6 +150,7 @@ class Run:
     report: ReplayReport
     kv_peak: float
     preemptions: int
+    evicted_tokens: int
     engine_hit_rate: float
     max_overtakes: int
     shadow_exact: float
@@ -166,6 +165,7 @@ class Run:
             "reprefill_tokens": self.report.reprefill_tokens,
             "kv_peak": round(self.kv_peak, 4),
             "preemptions": self.preemptions,
+            "evicted_tokens": self.evicted_tokens,
             "max_overtakes": self.max_overtakes,
             "shadow_exact": round(self.shadow_exact, 4),
             "shadow_error": round(self.shadow_error, 2),
@@ -180,10 +180,12 @@ class Run:
 class Setup:
     """The engines the runs assume."""
 
-    kv_blocks: int
-    """The pressure server's KV blocks (vLLM's ``num_gpu_blocks``, its null block included)."""
-    control_blocks: int = AMPLE_BLOCKS
-    """The control server's, as its shadow sees them."""
+    engine: Engine
+    kv: int
+    """The pressure server's KV, in the engine's unit (vLLM: blocks, its null block
+    included; SGLang: tokens)."""
+    control_kv: int
+    """The control server's, as its shadow sees it."""
     max_num_seqs: int = MAX_NUM_SEQS
     """Requests an engine runs at once; the dispatcher admits as many."""
     max_model_len: int = MAX_MODEL_LEN
@@ -194,62 +196,39 @@ class Setup:
     """The profiling pass's points."""
 
 
-def server_config(model: Path, work: Path, kv_blocks: int | None, setup: Setup) -> VLLMServerConfig:
-    """One engine: ``kv_blocks`` of KV (None: ample), ``setup.max_num_seqs`` running."""
-    return VLLMServerConfig(
-        model=str(model), python=sys.executable, dtype="float32", enforce_eager=True,
-        max_model_len=setup.max_model_len, max_num_seqs=setup.max_num_seqs,
-        num_gpu_blocks_override=kv_blocks, cpu_kvcache_space_gib=1,
-        cpu_omp_threads_bind="nobind", omp_num_threads=1,
-        env=(("HF_HUB_OFFLINE", "1"),), log_dir=str(work / "logs"), startup_timeout_s=600,
-    )  # fmt: skip
-
-
-def rollout_job(
-    url: str, work: Path, policy: RequestPolicy, kv_blocks: int, max_num_seqs: int
-) -> Job:
+def rollout_job(url: str, work: Path, policy: RequestPolicy, kv: int, setup: Setup) -> Job:
     """A job whose rollout is the server at ``url`` behind the runtime's dispatcher: the
-    queue held and ordered by ``policy``, ``max_num_seqs`` admitted, a shadow of the
-    ``kv_blocks - 1`` blocks vLLM can fill (one is its null block), the scheduler
-    observing only."""
-    setup = EngineSetup(urls={"0": url}, max_num_seqs=max_num_seqs, ignore_eos=True)
-    cache = PrefixCache(block_size=BLOCK, capacity_blocks=kv_blocks - 1)
+    queue held and ordered by ``policy``, ``setup.max_num_seqs`` admitted, a shadow of the
+    engine's cache of ``kv``, the scheduler observing only."""
+    engine, seqs = setup.engine, setup.max_num_seqs
     spec = ComponentSpec(
-        role=EngineRollout, devices=(0,), options=setup.to_options(),
-        max_inflight=max_num_seqs, request_policy=policy, max_overtakes=MAX_OVERTAKES,
-        prefix_cache=cache,
+        role=EngineRollout, devices=(0,), options=engine.setup(url, seqs).to_options(),
+        max_inflight=seqs, request_policy=policy, max_overtakes=MAX_OVERTAKES,
+        prefix_cache=engine.prefix_cache(kv),
     )  # fmt: skip
     runtime = RuntimeConfig(scheduler=SchedulerConfig(observe_only=True))
     return Job([spec], JobConfig(num_devices=1, run_dir=str(work), runtime=runtime))
 
 
 async def replay_on(
-    url: str,
-    work: Path,
-    policy: RequestPolicy,
-    it: IterationTrace,
-    kv_blocks: int,
-    max_num_seqs: int = MAX_NUM_SEQS,
+    url: str, work: Path, policy: RequestPolicy, it: IterationTrace, setup: Setup
 ) -> Run:
-    """Replay ``it`` through a fresh job on the server at ``url`` with ``policy`` ordering
-    the dispatcher's queue (:func:`replay_in`)."""
-    async with (
-        VLLMClient(VLLMClientConfig(base_url=url)) as client,
-        rollout_job(url, work, policy, kv_blocks, max_num_seqs) as job,
-    ):
-        return await replay_in(job, client, it)
+    """Replay ``it`` through a fresh job on the pressure server at ``url`` with ``policy``
+    ordering the dispatcher's queue (:func:`replay_in`)."""
+    async with rollout_job(url, work, policy, setup.kv, setup) as job:
+        return await replay_in(job, setup.engine, url, it)
 
 
-async def replay_in(job: Job, client: VLLMClient, it: IterationTrace) -> Run:
-    """Replay ``it`` through ``job`` on ``client``'s server, its prefix cache reset first;
-    the shadow's figures are those of ``job`` so far (a fresh job: this replay)."""
-    await client.reset_prefix_cache()
-    before = await client.load()
+async def replay_in(job: Job, engine: Engine, url: str, it: IterationTrace) -> Run:
+    """Replay ``it`` through ``job`` on the server at ``url``, its prefix cache reset
+    first; the shadow's figures are those of ``job`` so far (a fresh job: this replay)."""
+    await engine.reset_cache(url)
+    before = await engine.counters(url)
     peak = [0.0]
 
     async def poll() -> None:
         while True:
-            peak[0] = max(peak[0], (await client.load()).kv_cache_usage)
+            peak[0] = max(peak[0], (await engine.counters(url)).kv_usage)
             await asyncio.sleep(0.05)
 
     async with asyncio.TaskGroup() as group:
@@ -261,13 +240,14 @@ async def replay_in(job: Job, client: VLLMClient, it: IterationTrace) -> Run:
     dispatcher = job.controller.manager("rollout").dispatcher
     assert dispatcher is not None and dispatcher.shadows is not None
     check = dispatcher.shadows.check
-    after = await client.load()
-    queries = after.prefix_cache_queries - before.prefix_cache_queries
-    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    after = await engine.counters(url)
+    queries = after.prefix_queries - before.prefix_queries
+    hits = after.prefix_hits - before.prefix_hits
     return Run(
         report=report,
         kv_peak=peak[0],
-        preemptions=after.num_preemptions - before.num_preemptions,
+        preemptions=after.preemptions - before.preemptions,
+        evicted_tokens=after.evicted_tokens - before.evicted_tokens,
         engine_hit_rate=hits / queries if queries else 0.0,
         max_overtakes=dispatcher.router.max_overtakes_seen,
         shadow_exact=check.exact_share,
@@ -276,16 +256,14 @@ async def replay_in(job: Job, client: VLLMClient, it: IterationTrace) -> Run:
 
 
 @contextlib.asynccontextmanager
-async def serving(
-    setup: Setup, model: Path, work: Path, kv_blocks: int | None
-) -> AsyncIterator[str]:
-    """The URL of a server: ``setup.url`` as it is, or one started on ``model`` with
-    ``kv_blocks`` of KV (None: ample)."""
+async def serving(setup: Setup, model: Path, work: Path, kv: int | None) -> AsyncIterator[str]:
+    """The URL of a server: ``setup.url`` as it is, or one started on ``model`` with ``kv``
+    of KV (None: ample)."""
     if setup.url is not None:
         yield setup.url
         return
-    async with VLLMServer(server_config(model, work, kv_blocks, setup)) as server:
-        yield server.url
+    async with setup.engine.serve(model, work, kv, setup.max_num_seqs, setup.max_model_len) as url:
+        yield url
 
 
 async def all_runs(
@@ -293,57 +271,25 @@ async def all_runs(
 ) -> tuple[Run, Run, dict[str, list[Run]], EngineProfile, RolloutSpec]:
     """The control (ample KV) and the profiling pass in the same job (the simulator's model
     fitted and frozen), then on the pressure server every policy ``reps`` times."""
-    seqs, ample = setup.max_num_seqs, setup.control_blocks
+    engine = setup.engine
     async with (
         serving(setup, model, work / "control", None) as url,
-        VLLMClient(VLLMClientConfig(base_url=url)) as client,
-        rollout_job(url, work / "control" / "run", FifoPolicy(), ample, seqs) as job,
+        rollout_job(url, work / "control" / "run", FifoPolicy(), setup.control_kv, setup) as job,
     ):
-        control = await replay_in(job, client, it)
+        control = await replay_in(job, engine, url, it)
         profile = await profile_engine(job, vocab=VOCAB, grid=setup.grid)
-    spec = vllm_spec(profile, setup.kv_blocks, seqs)
+    spec = engine.spec(profile, setup.kv, setup.max_num_seqs)
     print(f"simulator model frozen before the policy runs: {spec_digest(spec)}", flush=True)
     runs: dict[str, list[Run]] = {name: [] for name in POLICIES}
     names = list(POLICIES)
-    async with serving(setup, model, work / "pressure", setup.kv_blocks) as url:
+    async with serving(setup, model, work / "pressure", setup.kv) as url:
         for rep in range(reps):
             shift = rep % len(names)
             for name in names[shift:] + names[:shift]:
-                where = work / f"{name}-{rep}"
-                run = await replay_on(url, where, POLICIES[name], it, setup.kv_blocks, seqs)
+                run = await replay_on(url, work / f"{name}-{rep}", POLICIES[name], it, setup)
                 runs[name].append(run)
                 print(f"round {rep + 1} {name:>8}: {run.report.wall_s:.2f} s", flush=True)
     return runs["fifo"][0], control, runs, profile, spec
-
-
-def server_blocks(url: str) -> int:
-    """The KV blocks of the server at ``url`` (``vllm:cache_config_info`` in its
-    ``/metrics``). SystemExit unless its blocks are ``BLOCK`` tokens (the bench models vLLM's
-    CPU backend)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as reply:
-        text = reply.read().decode()
-    info = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.MULTILINE)
-    labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1))) if info else {}
-    if labels.get("block_size") != str(BLOCK) or not labels.get("num_gpu_blocks"):
-        raise SystemExit(f"{url}: blocks of {BLOCK} tokens expected, found {labels}")
-    return int(labels["num_gpu_blocks"])
-
-
-def vllm_spec(profile: EngineProfile, kv_blocks: int, max_num_seqs: int) -> RolloutSpec:
-    """The simulator's model of the pressure server: its configuration, the profile's
-    speeds. vLLM keeps one of its KV blocks as the null block; it reserves nothing for
-    future tokens (blocks are allocated as decoding goes) and preempts the newest running
-    request when a step finds no free block (modelled as a retraction freeing a few steps
-    of headroom); its prefix cache serves whole blocks only, siblings share a cached
-    prompt's blocks while they run, and a freed sequence's blocks are evicted last first
-    (``shared_prefix``)."""
-    base = RolloutSpec(
-        tp=1, kv_capacity_tokens=(kv_blocks - 1) * BLOCK, max_running_requests=max_num_seqs,
-        step_fixed_s=1.0, step_per_seq_s=0.0, step_per_kv_token_s=0.0, prefill_tokens_per_s=1.0,
-        new_token_ratio=0.0, min_new_token_ratio=0.0, retract_decode_steps=8,
-        cache_block_tokens=BLOCK, shared_prefix=True,
-    )  # fmt: skip
-    return profile.fit(base)
 
 
 def predictions(
@@ -369,7 +315,8 @@ def predictions(
             "reprefill_tokens": replay.reprefill_tokens,
             "retractions": replay.retractions,
         }
-    ample = dataclasses.replace(spec, kv_capacity_tokens=(setup.control_blocks - 1) * BLOCK)
+    cache = setup.engine.prefix_cache(setup.control_kv)
+    ample = dataclasses.replace(spec, kv_capacity_tokens=cache.capacity_blocks * cache.block_size)
     control = replay_rollout(dataclasses.replace(workload, rollout=ample), it, FifoPolicy())
     out["control"] = {
         "iteration_s": round(control.iteration_s, 3),
@@ -390,29 +337,47 @@ def summary(runs: list[Run]) -> dict[str, Any]:
     return out
 
 
+def positive(text: str) -> int:
+    """An argument that must be a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--episodes", type=int, default=32, help="episodes (groups of up to 4)")
-    parser.add_argument("--kv-blocks", type=int, default=16, help="pressure run's KV blocks")
-    parser.add_argument("--reps", type=int, default=5, help="rounds of every policy")
+    parser.add_argument("--episodes", type=positive, default=32, help="episodes (groups of 4)")
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="vllm")
+    parser.add_argument(
+        "--kv", "--kv-blocks", type=positive, dest="kv",
+        help="pressure run's KV: blocks (vLLM, default 16) or tokens (SGLang, default 2048)",
+    )  # fmt: skip
+    parser.add_argument("--reps", type=positive, default=5, help="rounds of every policy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--url", help="a running server for every run (its KV as it is)")
-    parser.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS)
-    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    parser.add_argument("--max-num-seqs", type=positive, default=MAX_NUM_SEQS)
+    parser.add_argument("--max-model-len", type=positive, default=MAX_MODEL_LEN)
     parser.add_argument("--quick-profile", action="store_true", help="the fewest points")
     args = parser.parse_args(argv)
+    engine: Engine = ENGINES[args.engine]()
     group = min(4, args.episodes)
     it = trace(max(1, args.episodes // group), group, args.seed, args.max_model_len)
     with tempfile.TemporaryDirectory(prefix="dynarl-priority-") as tmp:
         work = Path(tmp)
         if args.url is None:
-            setup = Setup(kv_blocks=args.kv_blocks)
+            kv = args.kv or engine.default_kv
+            setup = Setup(engine=engine, kv=kv, control_kv=engine.ample_kv)
             model = write_tiny_llama(
-                work / "model", seed=0, max_position_embeddings=args.max_model_len
-            )
+                work / "model", seed=0,
+                max_position_embeddings=args.max_model_len + CONTEXT_MARGIN,
+            )  # fmt: skip
         else:
-            blocks = server_blocks(args.url)
-            setup = Setup(kv_blocks=blocks, control_blocks=blocks, url=args.url)
+            kv = engine.server_kv(args.url)
+            setup = Setup(engine=engine, kv=kv, control_kv=kv, url=args.url)
             model = work / "unused"
         setup = dataclasses.replace(
             setup, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -424,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     figures: dict[str, Any] = {"pressure": pressure.figures(), "control": control.figures()}
     figures["pressure_verified"] = (
         pressure.kv_peak >= 0.95
-        and pressure.preemptions > 0
+        and (pressure.preemptions > 0 or pressure.evicted_tokens > 0)
         and pressure.report.hit_rate < control.report.hit_rate
     )
     policies = {name: summary(values) for name, values in runs.items()}
@@ -466,7 +431,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "predicted": predicted,
             "predicted_gain_over_fifo": round(sim_gain, 4),
         },
-        kv_blocks=setup.kv_blocks,
+        engine=engine.kind,
+        kv=setup.kv,
+        kv_unit=engine.unit,
         url=setup.url,
         reps=args.reps,
         episodes=it.num_samples,

@@ -25,7 +25,10 @@ are evicted least recently used when running requests need the room; a prefix is
 in whole blocks of ``cache_block_tokens``. With ``shared_prefix`` (what SGLang's radix
 tree and vLLM's block pool do; off in the validated model) siblings running on a cached
 group prompt hold its KV once and it stays while they run, and eviction frees a prefix
-from its tail, so what is left still serves its head. An eviction
+from its tail, so what is left still serves its head. With
+``prefix_cached_after_prefill`` (SGLang, measured) a group prompt enters the cache when the
+prefill batch that computed it ends, so its siblings admitted in that same batch each
+compute it; otherwise (vLLM) it is cached as its first request is admitted. An eviction
 re-keys the waiting request that would have reused the prefix, so priority ordering
 sees what is really cached. :meth:`Engine.abort` returns every request with its partial
 output (the caller re-submits it elsewhere: the KV is not moved). Single-threaded,
@@ -333,11 +336,14 @@ class Engine:
         ratio = self.ratio()
         clip = spec.clip_max_new_tokens
         prefill = 0
+        batch_prompts: set[tuple[int, int, int]] = set()
+        """Group prompts first cached by this prefill batch."""
         while waiting and len(running) < spec.max_running_requests:
             head = queue.peek()
             assert head is not None
             req = waiting[head.request_id]
-            hit = self._hit(req)
+            in_batch = spec.prefix_cached_after_prefill and req.cache_key in batch_prompts
+            hit = 0 if in_batch else self._hit(req)
             need = req.prompt + req.done - hit
             b = len(running)
             held = self.kv_base + b * self.g + self.pinned_tokens
@@ -349,11 +355,14 @@ class Engine:
             del waiting[head.request_id]
             if req.turn and self._waiting_by_key.get(req.cache_key) == head.request_id:
                 del self._waiting_by_key[req.cache_key]
+            if req.turn == 0 and req.cache_key not in self.cache:
+                batch_prompts.add(req.cache_key)
             self._take_cache(req, hit)
             req.epoch += 1
             req.g0 = self.g - req.done
             running[req.rid] = req
-            self._share(req)
+            if not in_batch:  # a sibling in the same batch computes its own copy
+                self._share(req)
             self.kv_base += req.prompt - req.shared - req.g0
             heapq.heappush(self._heap, (req.g0 + req.target, req.rid, req.epoch))
             prefill += need
@@ -416,8 +425,8 @@ class Engine:
             tokens = self.cache[key]
             excess = used + self.cached_tokens - cap
             cut = tokens
-            if self.spec.shared_prefix:
-                cut = min(tokens, block * math.ceil(excess / block - _EPS))
+            if self.spec.shared_prefix:  # at least a block: float noise must not stall it
+                cut = min(tokens, block * max(1, math.ceil(excess / block - _EPS)))
             self.cached_tokens -= cut
             if cut == tokens:
                 del self.cache[key]

@@ -235,6 +235,13 @@ class RolloutSpec:
     (its head still serves). False: every running request holds its whole prompt and a
     prefix is evicted whole — the model the shipped workloads were validated with. The
     per-request model only (``vector`` runs need False)."""
+    prefix_cached_after_prefill: bool = False
+    """When a group prompt enters the prefix cache. True (SGLang's radix cache: a request's
+    KV is inserted into the tree after its prefill forward): siblings admitted in the same
+    prefill batch each compute the prompt and only later ones reuse it. False (vLLM's block
+    pool hashes a request's blocks when it is scheduled): a sibling admitted in the same
+    step already hits them. Measured on both engines (``bench/priority.py``, issue 20). The
+    per-request model only (``vector`` runs need False)."""
 
     def __post_init__(self) -> None:
         owner = "RolloutSpec."

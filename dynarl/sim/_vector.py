@@ -79,7 +79,12 @@ class VectorRollout(EngineArrays):
         if not isinstance(policy(), FifoPolicy):
             raise ValueError("the vector model covers FIFO engine queues only")
         rollout = workload.rollout
-        if rollout.cache_block_tokens != 1 or rollout.shared_prefix or rollout.request_overhead_s:
+        prefix_options = (
+            rollout.cache_block_tokens != 1
+            or rollout.shared_prefix
+            or rollout.prefix_cached_after_prefill
+        )
+        if prefix_options or rollout.request_overhead_s:
             raise ValueError("the vector model has no prefix options and no request overhead")
         super().__init__(workload, loop)
         self.on_sample_done = on_sample_done

@@ -124,6 +124,7 @@ _WRITTEN_WHEN_SET = {
     ("scheduler", "release_error_fraction"),
     ("rollout", "cache_block_tokens"),
     ("rollout", "shared_prefix"),
+    ("rollout", "prefix_cached_after_prefill"),
     ("rollout", "request_overhead_s"),
     ("migration", "trainer_kind"),
 }

@@ -22,6 +22,8 @@ SGLANG_PYTHON = SGLANG_VENV / "bin" / "python"
 MAX_RUNNING = 2
 """Requests a server runs at once; more wait (the priority and load tests queue them)."""
 MAX_TOTAL_TOKENS = 4096
+CONTEXT_LENGTH = 2048
+"""The tiny model's ``max_position_embeddings``: SGLang's context length."""
 """KV pool in tokens, on both (the fake's default), so that ``token_usage`` is comparable."""
 WAIT_S = 240.0
 """Bound on waiting for a server to reach a state (a loaded machine is slow, not stuck)."""
@@ -95,8 +97,16 @@ def server_config(model: Path, log_path: Path) -> SGLangServerConfig:
             "--max-total-tokens",
             str(MAX_TOTAL_TOKENS),
             "--skip-server-warmup",
+            "--enable-metrics",
         ),
-        env=(("SGLANG_USE_CPU_ENGINE", "1"), ("HF_HUB_OFFLINE", "1")),
+        env=(
+            ("SGLANG_USE_CPU_ENGINE", "1"),
+            ("HF_HUB_OFFLINE", "1"),
+            # one OpenMP thread on one core: SGLang's default, a thread on every core, made
+            # a decode step 30-40x slower whenever another process was busy on this host
+            ("OMP_NUM_THREADS", "1"),
+            ("SGLANG_CPU_OMP_THREADS_BIND", "0"),
+        ),
         log_path=str(log_path),
         startup_timeout_s=600.0,
     )

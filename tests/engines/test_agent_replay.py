@@ -3,7 +3,8 @@ group of two episodes, each turn exactly its traced length, later turns finding 
 episode's earlier context in the engine's prefix cache (whole 128-token blocks on vLLM's
 CPU backend), the records consistent with the trace. Then the smoke of
 ``bench/priority.py`` itself: its ``main`` on the same server with one episode, one round
-and the quickest profile, its last line checked for every figure it promises."""
+and the quickest profile, its last line checked for every figure it promises; and the same
+smoke on the shared real SGLang server where there is one (``make test-sglang``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from vllm_support import MAX_NUM_SEQS
 
@@ -24,6 +26,11 @@ from dynarl.demo._agent_replay import replay_trace
 from dynarl.runtime import ComponentSpec, Job, JobConfig, RuntimeConfig
 from dynarl.sched import FifoPolicy, SchedulerConfig
 from dynarl.sim import AgenticSpec, BatchSpec, LengthSpec, agentic_trace
+
+from .sglang_support import CONTEXT_LENGTH as SGLANG_CONTEXT
+from .sglang_support import MAX_RUNNING as SGLANG_MAX_RUNNING
+from .sglang_support import MAX_TOTAL_TOKENS as SGLANG_KV
+from .sglang_targets import Target
 
 pytestmark = pytest.mark.engines
 
@@ -82,24 +89,24 @@ def test_an_agentic_trace_replays_turn_by_turn_with_its_prefix_cached(
     assert 0 < report.reprefill_tokens < sum(t.reusable for t in turns)
 
 
-def test_the_priority_bench_runs_one_episode_on_the_shared_server(
-    vllm_server: VLLMServer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.syspath_prepend(str(BENCH))  # the bench imports its sibling _vllm_profile
+def run_bench(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> dict[str, Any]:
+    """``bench/priority.py``'s ``main`` on ``argv``, asked to succeed; its last line."""
+    monkeypatch.syspath_prepend(str(BENCH))  # the bench imports its sibling modules
     spec = importlib.util.spec_from_file_location("bench_priority", BENCH / "priority.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look it up there
     spec.loader.exec_module(bench)
-    max_model_len = vllm_server.config.max_model_len
-    assert max_model_len is not None
-    argv = [
-        "--url", vllm_server.url, "--episodes", "1", "--reps", "1", "--seed", "1",
-        "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(max_model_len),
-        "--quick-profile",
-    ]  # fmt: skip
     assert bench.main(argv) == 0
-    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    figures: dict[str, Any] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return figures
+
+
+def check_one_episode(figures: dict[str, Any], engine: str) -> None:
+    """Every figure the bench promises, for one episode in one round on ample KV."""
+    assert figures["engine"] == engine
     assert figures["episodes"] == 1 and figures["reps"] == 1
     bound = figures["max_overtakes_bound"]
     assert set(figures["policies"]) == {"fifo", "fifo-aa", "dynarl", "plas", "cmlfq"}
@@ -116,3 +123,68 @@ def test_the_priority_bench_runs_one_episode_on_the_shared_server(
         assert math.isfinite(figures[key])
     assert figures["priority_gain_over_fifo"] > -1
     assert len(figures["sim"]["model_digest"]) == 16
+
+
+def test_the_priority_bench_runs_one_episode_on_the_shared_server(
+    vllm_server: VLLMServer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    max_model_len = vllm_server.config.max_model_len
+    assert max_model_len is not None
+    argv = [
+        "--url", vllm_server.url, "--episodes", "1", "--reps", "1", "--seed", "1",
+        "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(max_model_len),
+        "--quick-profile",
+    ]  # fmt: skip
+    check_one_episode(run_bench(argv, monkeypatch, capsys), "vllm")
+
+
+def test_the_priority_bench_runs_one_episode_on_a_real_sglang_server(
+    real_target: Target, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same smoke on the shared real SGLang server (``make test-sglang``; skipped, with
+    the reason, where there is no SGLang environment)."""
+    argv = [
+        "--engine", "sglang", "--url", real_target.url, "--episodes", "1", "--reps", "1",
+        "--seed", "1", "--max-num-seqs", str(SGLANG_MAX_RUNNING),
+        "--max-model-len", str(SGLANG_CONTEXT), "--quick-profile",
+    ]  # fmt: skip
+    figures = run_bench(argv, monkeypatch, capsys)
+    check_one_episode(figures, "sglang")
+    assert figures["kv_unit"] == "tokens" and figures["kv"] == SGLANG_KV
+
+
+def test_sglang_caches_a_prompt_after_the_prefill_batch_that_computed_it(
+    real_target: Target,
+) -> None:
+    """The engine fact behind the simulator's ``prefix_cached_after_prefill``: siblings
+    SGLang prefills in one batch each compute their shared prompt; a later one reuses it."""
+
+    async def main() -> tuple[list[int], list[int]]:
+        async with aiohttp.ClientSession() as http:
+
+            async def cached(prompt: list[int]) -> int:
+                body = {
+                    "input_ids": prompt,
+                    "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "temperature": 0},
+                }
+                async with http.post(f"{real_target.url}/generate", json=body) as reply:
+                    reply.raise_for_status()
+                    found: int = (await reply.json())["meta_info"]["cached_tokens"]
+                    return found
+
+            async def flush() -> None:
+                async with http.post(f"{real_target.url}/flush_cache") as reply:
+                    reply.raise_for_status()
+
+            await flush()
+            shared = [(11 + i) % 380 for i in range(200)]
+            together = await asyncio.gather(*(cached([*shared, k]) for k in range(2)))
+            await flush()
+            shared = [(23 + i) % 380 for i in range(200)]
+            apart = [await cached([*shared, k]) for k in range(2)]
+            await flush()
+            return list(together), apart
+
+    together, apart = asyncio.run(main())
+    assert together == [0, 0]  # one prefill batch: neither found the other's prompt
+    assert apart == [0, 200]

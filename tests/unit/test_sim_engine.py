@@ -176,3 +176,40 @@ def test_siblings_share_a_cached_prompt_and_eviction_keeps_a_prefix_head(shared:
         assert 0 < left < 900 and (900 - left) % 16 == 0, "the tail went, in whole blocks"
     else:
         assert left == 0, "the validated model evicts a prefix whole"
+
+
+@pytest.mark.parametrize("after_prefill", [False, True])
+def test_siblings_in_one_prefill_batch_reuse_their_prompt_only_on_vllms_rule(
+    after_prefill: bool,
+) -> None:
+    spec = RolloutSpec(
+        **{**_fields(SPEC), "kv_capacity_tokens": 10_000, "shared_prefix": True,
+           "prefix_cached_after_prefill": after_prefill, "new_token_ratio": 0.0,
+           "min_new_token_ratio": 0.0, "max_running_requests": 3}
+    )  # fmt: skip
+    loop, engine, done = _engine(spec)
+    engine.submit_many([_request(i, 50, prompt=1_000, group=7) for i in range(3)])
+    engine.advance(loop.now)
+    assert engine.batch == 3
+    # vLLM caches the prompt's blocks as the first sibling is scheduled: the other two hit
+    # them; SGLang inserts it after the batch's prefill: all three computed it.
+    assert engine.hit_tokens == (0 if after_prefill else 2_000)
+    assert engine.prefill_tokens == (3_000 if after_prefill else 1_000)
+    assert engine.kv_tokens == (3_000 if after_prefill else 1_000)
+    loop.run(until=1e6, max_events=1000)
+    assert len(done) == 3 and engine.pinned_tokens == 0 and engine.shared_kv == 0
+    engine.submit(_request(3, 50, prompt=1_000, group=7))  # a later batch reuses it either way
+    engine.advance(loop.now)
+    assert engine.hit_tokens == (1_000 if after_prefill else 3_000)
+
+
+def test_eviction_from_a_tail_always_frees_a_block_even_for_float_noise() -> None:
+    # With shared_prefix the cut was ceil(excess / block - eps) blocks: an excess below
+    # eps (float drift in the running sums) cut nothing and the loop never ended.
+    spec = RolloutSpec(**{**_fields(SPEC), "kv_capacity_tokens": 1_000, "shared_prefix": True})
+    _, engine, _ = _engine(spec)
+    engine.cache[(1, 0, 0)] = 100
+    engine.cached_tokens = 100
+    engine.kv_base = 900 + 1e-9  # over the capacity by float noise
+    engine._evict()
+    assert engine.cache[(1, 0, 0)] == 99 and engine.cached_tokens == 99

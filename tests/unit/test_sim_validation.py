@@ -79,14 +79,14 @@ def test_agentic_priority_beats_plain_dynarl_at_32b_128gpu() -> None:
 
 @pytest.mark.slow
 def test_agentic_7b_64gpu_priority_ties_plain_dynarl_as_modelled() -> None:
-    """The paper has priority 11-24% ahead; here the two tie (501.9 s against 501.7 s an
-    iteration, re-prefill shares 0.57 and 0.56). Its earlier +1.4% (and, after parking, its
+    """The paper has priority 11-24% ahead; here the two tie (501.5 s against 502.3 s an
+    iteration, re-prefill shares 0.545 and 0.544). Its earlier +1.4% (and, after parking, its
     -0.1%) came from a race, gone since the simulator hands an instant's reports to the
     scheduler as one batch: a round ran on rollout's report while inference's was one
     interval old, released inference's last replica just as rollout's last group reached
     it, and that group waited ~100 s for the trainer to free devices. Without the race the
     iteration is set by the rollout tail and the trainer, which request order barely
-    changes (9.5 and 10 moves an iteration). If priority
+    changes (10 moves an iteration each). If priority
     ever gains or loses more than 0.5% here, this test fails and the reason is revisited.
     """
     ratio = speedup("agentic-7b-64gpu", "dynarl+priority", "dynarl")

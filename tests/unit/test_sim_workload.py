@@ -16,12 +16,12 @@ from dynarl.sim import build_trace, dump_workload, load_workload, with_overrides
 from dynarl.sim._workload_file import file_hash, workload_from_dict
 
 HASHES = {
-    "agentic-1.5b-128gpu": "be7adf0af40c98678b519a3ce9a7f94aaaa9ec3c9108c7e0b8dd972fecebd89a",
-    "agentic-1.5b-64gpu": "53680a68cca33e3dee24821a7765998b49676ae77b34a2db86158689ecf29fb3",
-    "agentic-32b-128gpu": "409b9c3bcff703b12fe6aba2c2b477730552a40785c09e32ce9de357798048dc",
-    "agentic-32b-64gpu": "f3bacb8b3fe9b77fdf318350e66ba6d568f4b5ddc934e1bdb22b3479f34cd59b",
-    "agentic-7b-128gpu": "95bfc569a6d5441dc97542fcd4ded18bade25b1a0ea39bc910d7694b459c690b",
-    "agentic-7b-64gpu": "52cc2f9b692b09c860d7d3cbf1fc4afb0c2e7cc7d3549449838c1d99839c3acd",
+    "agentic-1.5b-128gpu": "aca5d257c0726578bba9940f74952a499b16987141614e8bbf9bc4ecdc0164c8",
+    "agentic-1.5b-64gpu": "090765efaca78c45279650ae006fe83637f979804c1993596f6a2af5c2af7969",
+    "agentic-32b-128gpu": "117a0e6323f296a23cb9fb9ef6a241c2b42968e5a9030021c0d9dd98891a8e14",
+    "agentic-32b-64gpu": "a39c6abbd3413517286f47e71dcb7b2409aa9a464fbd96ae81381a33a067fd1b",
+    "agentic-7b-128gpu": "db3ea70afc5e6e2ac4254eb7fe23df56722d62b2b58e930ce45d94940e562ab8",
+    "agentic-7b-64gpu": "e5d3864fa45c4abbd8b536a996c3aefc04c9530cdf8292f07ab9b6c73c79040b",
     "math-1.5b-128gpu": "3d1f77dda0c8c9048275383cdcc7c4254aa287bc2a4a1a71880b7f993e9fe25d",
     "math-1.5b-64gpu": "d9ce7c415057c842f8f73d55f218750026ad14766ca22e31308a5fde6891c225",
     "math-32b-128gpu": "11bc2cb7c3f2ba794ec349aba8d32e5de433b05b6455b1fa06648875086b438e",
