@@ -30,6 +30,11 @@ differ in detail):
 * **admission**: requests start in the order they were sent, each once the blocks its
   prompt needs beyond its hit are free (vLLM's waiting queue: one that does not fit holds
   back those behind it); its hit is what the cache holds at that moment.
+* **prefill batches** (``prefill_batch_s`` set; SGLang, measured): a started request's
+  prompt is cached only when its prefill batch ends — requests sent within
+  ``prefill_batch_s`` of the batch's first are in it, and each computes its own copy of a
+  prompt they share; the batch has ended once a later request is sent after the window or
+  one of it ends. Unset (vLLM) a prompt is cached as its request starts.
 
 Not modelled: a request's output blocks are taken when it ends, not step by step, so
 decode growth and the preemptions it causes are invisible until then. A model, checked
@@ -57,12 +62,23 @@ class PrefixCache:
     """Blocks the engine can fill with KV: vLLM's ``num_gpu_blocks``
     (``--num-gpu-blocks-override``) less the null block it keeps back; SGLang
     ``--max-total-tokens`` over the block size."""
+    prefill_batch_s: float | None = None
+    """None: a prompt is cached as its request starts (vLLM hashes a request's blocks when
+    it is scheduled). A number of seconds: the engine caches prompts only when the prefill
+    batch that computed them ends (SGLang's radix tree), and requests sent within this
+    long of the first of a batch are taken to share its prefill batch (about one engine
+    step)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.capacity_blocks < 1:
             raise ValueError(
                 f"PrefixCache needs block_size >= 1 and capacity_blocks >= 1, got "
                 f"{self.block_size} and {self.capacity_blocks}"
+            )
+        if self.prefill_batch_s is not None and not self.prefill_batch_s >= 0:
+            raise ValueError(
+                f"PrefixCache.prefill_batch_s must be None or >= 0 seconds, got "
+                f"{self.prefill_batch_s}"
             )
 
 
@@ -79,14 +95,18 @@ class PrefixShadow:
     """One engine's block pool and prefix cache, modelled (see the module docstring).
     Raises ValueError for a block size or capacity below 1."""
 
-    def __init__(self, *, block_size: int, capacity_blocks: int) -> None:
-        if block_size < 1 or capacity_blocks < 1:
-            raise ValueError(
-                f"PrefixShadow needs block_size >= 1 and capacity_blocks >= 1, got "
-                f"{block_size} and {capacity_blocks}"
-            )
+    def __init__(
+        self, *, block_size: int, capacity_blocks: int, prefill_batch_s: float | None = None
+    ) -> None:
+        PrefixCache(
+            block_size=block_size, capacity_blocks=capacity_blocks, prefill_batch_s=prefill_batch_s
+        )  # checks the values
         self.block_size = block_size
         self.capacity_blocks = capacity_blocks
+        self.prefill_batch_s = prefill_batch_s
+        self._batch: list[tuple[_Running, list[int]]] = []
+        """Started requests whose prompts their prefill batch has not cached yet."""
+        self._batch_start = 0.0
         self._blank: deque[int] = deque(range(capacity_blocks))
         """Free blocks that cache nothing, the next to be taken first."""
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -124,25 +144,31 @@ class PrefixShadow:
         token). Changes nothing."""
         return len(self._hit(tokens)) * self.block_size
 
-    def submit(self, request_id: str, tokens: Sequence[int]) -> dict[str, int]:
-        """Request ``request_id`` with prompt ``tokens`` was sent to the engine: it waits
-        behind those sent before it. Returns the requests that start now (it, or none)
-        with the tokens each finds cached. ValueError for an id that is waiting or
-        running."""
+    def submit(self, request_id: str, tokens: Sequence[int], *, now: float = 0.0) -> dict[str, int]:
+        """Request ``request_id`` with prompt ``tokens`` was sent to the engine at ``now``
+        (seconds on any clock; used only with ``prefill_batch_s``): it waits behind those
+        sent before it. Returns the requests that start now (it, or none) with the tokens
+        each finds cached. ValueError for an id that is waiting or running."""
         if request_id in self._waiting or request_id in self._running:
             raise ValueError(f"request {request_id!r} was already submitted")
+        self._settle(now)
         self._waiting[request_id] = [int(t) for t in tokens]
-        return self._admit()
+        return self._admit(now)
 
-    def finish(self, request_id: str, tokens: Sequence[int] | None = None) -> dict[str, int]:
-        """Request ``request_id`` ended, ``tokens`` its prompt and output (None: it failed,
-        nothing more was computed): what it computed is cached, its blocks are freed tail
-        first. Returns the requests that start now, with the tokens each finds cached.
-        Idempotent for an unknown request."""
+    def finish(
+        self, request_id: str, tokens: Sequence[int] | None = None, *, now: float = 0.0
+    ) -> dict[str, int]:
+        """Request ``request_id`` ended at ``now``, ``tokens`` its prompt and output (None:
+        it failed, nothing more was computed): what it computed is cached, its blocks are
+        freed tail first. An ending request's prefill batch has ended. Returns the
+        requests that start now, with the tokens each finds cached. Idempotent for an
+        unknown request."""
         self._waiting.pop(request_id, None)
         run = self._running.pop(request_id, None)
         if run is None:
             return {}
+        if any(pending is run for pending, _ in self._batch):
+            self._settle(None)
         if tokens is not None:
             computed = [int(t) for t in tokens][: max(0, len(tokens) - 1)]
             self._grow(run, len(computed))
@@ -157,27 +183,41 @@ class PrefixShadow:
                 else:
                     fresh.append(block)
         self._blank.extendleft(reversed(fresh))
-        return self._admit()
+        return self._admit(now)
 
     def clear(self) -> None:
         """The engine's prefix cache was reset: nothing is cached (blocks stay held)."""
+        self._batch.clear()
         self._blank.extend(self._lru)
         self._lru.clear()
         self._chain_of.clear()
         self._copies.clear()
 
-    def _admit(self) -> dict[str, int]:
+    def _settle(self, now: float | None) -> None:
+        """The prefill batch in flight has ended (``now`` past its window, or None: it
+        surely has): cache its prompts."""
+        if not self._batch:
+            return
+        assert self.prefill_batch_s is not None
+        if now is not None and now - self._batch_start <= self.prefill_batch_s:
+            return
+        batch, self._batch = self._batch, []
+        for run, tokens in batch:
+            if run.blocks and any(run is r for r in self._running.values()):
+                self._cache(run, tokens)
+
+    def _admit(self, now: float = 0.0) -> dict[str, int]:
         started: dict[str, int] = {}
         while self._waiting:
             request_id, tokens = next(iter(self._waiting.items()))
-            hit = self._start(request_id, tokens)
+            hit = self._start(request_id, tokens, now)
             if hit is None:
                 break
             del self._waiting[request_id]
             started[request_id] = hit
         return started
 
-    def _start(self, request_id: str, tokens: list[int]) -> int | None:
+    def _start(self, request_id: str, tokens: list[int], now: float) -> int | None:
         """Start a request if its prompt fits; its hit in tokens, or None."""
         hit = self._hit(tokens)
         reclaimed = sum(1 for block in hit if block not in self._refs)
@@ -190,7 +230,12 @@ class PrefixShadow:
         run = _Running(blocks=list(hit), num_cached=len(hit))
         self._running[request_id] = run
         self._grow(run, len(tokens))
-        self._cache(run, tokens)
+        if self.prefill_batch_s is None:
+            self._cache(run, tokens)
+        else:  # cached when its prefill batch ends
+            if not self._batch:
+                self._batch_start = now
+            self._batch.append((run, tokens))
         return len(hit) * self.block_size
 
     def _hit(self, tokens: Sequence[int]) -> list[int]:

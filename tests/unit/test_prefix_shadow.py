@@ -138,3 +138,33 @@ def test_an_id_is_submitted_once_until_it_ends() -> None:
         shadow.submit("a", seq(0, 3))
     shadow.finish("a", seq(0, 4))
     assert shadow.submit("a", seq(0, 3)) == {"a": 0}
+
+
+def test_with_prefill_batches_siblings_sent_together_each_compute_their_prompt() -> None:
+    # SGLang (measured): a prompt is cached when the prefill batch that computed it ends
+    shadow = PrefixShadow(block_size=1, capacity_blocks=100, prefill_batch_s=0.01)
+    prompt = seq(0, 9)
+    assert shadow.submit("a", [*prompt, 50], now=1.0) == {"a": 0}
+    assert shadow.submit("b", [*prompt, 51], now=1.005) == {"b": 0}  # same batch: no hit
+    assert shadow.free_blocks == 100 - 20  # two copies of the prompt
+    assert shadow.cached(prompt) == 0
+    # sent after the window: the batch has ended, its prompts are cached
+    assert shadow.submit("c", [*prompt, 52], now=1.02) == {"c": 9}
+    # one of a batch ending also ends the batch
+    assert shadow.submit("d", seq(200, 6), now=2.0) == {"d": 0}
+    assert shadow.submit("e", seq(300, 6), now=2.001) == {"e": 0}
+    shadow.finish("e", [*seq(300, 6), 7], now=2.002)
+    assert shadow.cached(seq(200, 6)) == 5  # d's prompt, all but its last token's block
+    assert shadow.cached([*seq(300, 6), 7, 8]) == 6  # e computed its prompt, not its last token
+
+
+def test_without_prefill_batches_a_sibling_sent_at_once_hits_the_prompt() -> None:
+    shadow = PrefixShadow(block_size=1, capacity_blocks=100)  # vLLM's rule
+    prompt = seq(0, 9)
+    assert shadow.submit("a", [*prompt, 50], now=1.0) == {"a": 0}
+    assert shadow.submit("b", [*prompt, 51], now=1.0) == {"b": 9}
+
+
+def test_a_negative_prefill_window_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefill_batch_s must be None or >= 0"):
+        PrefixShadow(block_size=1, capacity_blocks=4, prefill_batch_s=-1.0)

@@ -6,7 +6,9 @@ One :class:`~dynarl.sched.PrefixShadow` per worker (``ComponentSpec.prefix_cache
 A queued generation request's ``cached_prefix`` is what the shadow of its worker says its
 prompt would find now. A request sent there is submitted to the shadow, which starts it
 once its prompt's blocks fit (the engine's own waiting queue), taking its blocks and
-caching its prompt; whenever one ends, what it computed is cached, its blocks are freed,
+caching its prompt (with ``PrefixCache.prefill_batch_s``, when its prefill batch ends:
+requests sent within that many seconds of its first, on the monotonic clock, share one);
+whenever one ends, what it computed is cached, its blocks are freed,
 the requests that now fit start, and every request waiting on that worker is re-keyed.
 The prediction of a request is the hit the shadow gives it when it starts there (until
 then, and if the shadow never starts it before it ends, the hit when it was sent); it is
@@ -16,6 +18,7 @@ model's error is measured, not assumed. Runs on the dispatcher's loop.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from dynarl.bus import GenerationRequest, Sample, unpack_tokens
@@ -58,7 +61,9 @@ class CacheShadows:
         shadow = self._shadows.get(worker)
         if shadow is None:
             shadow = self._shadows[worker] = PrefixShadow(
-                block_size=self.cache.block_size, capacity_blocks=self.cache.capacity_blocks
+                block_size=self.cache.block_size,
+                capacity_blocks=self.cache.capacity_blocks,
+                prefill_batch_s=self.cache.prefill_batch_s,
             )
         return shadow
 
@@ -85,8 +90,9 @@ class CacheShadows:
         shadow = self._shadow(worker)
         self._predicted[progress.item_id] = shadow.cached(prompt)
         # an attempt whose end the shadow never heard of (its send was cancelled) goes first
-        self._started(shadow.finish(progress.item_id))
-        self._started(shadow.submit(progress.item_id, prompt))
+        now = time.monotonic()
+        self._started(shadow.finish(progress.item_id, now=now))
+        self._started(shadow.submit(progress.item_id, prompt, now=now))
 
     def ended(self, worker: int, progress: Progress, result: Sample | None) -> None:
         """A request on ``worker`` ended (``result``: its prompt and output; None: it
@@ -95,7 +101,7 @@ class CacheShadows:
         shadow = self._shadow(worker)
         tokens = None if result is None else [int(t) for t in unpack_tokens(result.token_ids)]
         predicted = self._predicted.pop(progress.item_id, None)
-        self._started(shadow.finish(progress.item_id, tokens))
+        self._started(shadow.finish(progress.item_id, tokens, now=time.monotonic()))
         if result is None:
             return
         reported = result.metadata.get(_CACHED)
