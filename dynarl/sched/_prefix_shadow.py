@@ -93,7 +93,7 @@ class _Running:
 
 class PrefixShadow:
     """One engine's block pool and prefix cache, modelled (see the module docstring).
-    Raises ValueError for a block size or capacity below 1."""
+    Raises ValueError for a block size or capacity below 1 or a negative batch window."""
 
     def __init__(
         self, *, block_size: int, capacity_blocks: int, prefill_batch_s: float | None = None
@@ -104,8 +104,8 @@ class PrefixShadow:
         self.block_size = block_size
         self.capacity_blocks = capacity_blocks
         self.prefill_batch_s = prefill_batch_s
-        self._batch: list[tuple[_Running, list[int]]] = []
-        """Started requests whose prompts their prefill batch has not cached yet."""
+        self._batch: dict[str, list[int]] = {}
+        """Started requests (and their prompts) whose prefill batch has not ended."""
         self._batch_start = 0.0
         self._blank: deque[int] = deque(range(capacity_blocks))
         """Free blocks that cache nothing, the next to be taken first."""
@@ -167,7 +167,7 @@ class PrefixShadow:
         run = self._running.pop(request_id, None)
         if run is None:
             return {}
-        if any(pending is run for pending, _ in self._batch):
+        if request_id in self._batch:
             self._settle(None)
         if tokens is not None:
             computed = [int(t) for t in tokens][: max(0, len(tokens) - 1)]
@@ -201,9 +201,10 @@ class PrefixShadow:
         assert self.prefill_batch_s is not None
         if now is not None and now - self._batch_start <= self.prefill_batch_s:
             return
-        batch, self._batch = self._batch, []
-        for run, tokens in batch:
-            if run.blocks and any(run is r for r in self._running.values()):
+        batch, self._batch = self._batch, {}
+        for request_id, tokens in batch.items():
+            run = self._running.get(request_id)
+            if run is not None:  # one that ended cached what it computed then
                 self._cache(run, tokens)
 
     def _admit(self, now: float = 0.0) -> dict[str, int]:
@@ -235,7 +236,7 @@ class PrefixShadow:
         else:  # cached when its prefill batch ends
             if not self._batch:
                 self._batch_start = now
-            self._batch.append((run, tokens))
+            self._batch[request_id] = tokens
         return len(hit) * self.block_size
 
     def _hit(self, tokens: Sequence[int]) -> list[int]:
