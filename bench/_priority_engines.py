@@ -131,6 +131,10 @@ class VLLMEngine:
     block = 128
     """vLLM's CPU backend caches whole blocks of 128 tokens."""
 
+    def __init__(self, core: int | None = None) -> None:
+        self.core = core
+        """The core the server runs on (None: wherever the OS puts it)."""
+
     @contextlib.asynccontextmanager
     async def serve(
         self, model: Path, work: Path, kv: int | None, max_num_seqs: int, max_model_len: int
@@ -140,6 +144,7 @@ class VLLMEngine:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             num_gpu_blocks_override=kv, cpu_kvcache_space_gib=1,
             cpu_omp_threads_bind="nobind", omp_num_threads=1,
+            cpus=() if self.core is None else (self.core,),
             env=(("HF_HUB_OFFLINE", "1"),), log_dir=str(work / "logs"), startup_timeout_s=600,
         )  # fmt: skip
         async with VLLMServer(config) as server:
@@ -205,7 +210,7 @@ class SGLangEngine:
     retract_decode_steps = 20
     """``SGLANG_RETRACT_DECODE_STEPS``."""
 
-    def __init__(self, venv: Path | None = None, core: int = 0) -> None:
+    def __init__(self, core: int = 0, venv: Path | None = None) -> None:
         self.python = (venv or ROOT / ".venv-sglang") / "bin" / "python"
         self.core = core
 

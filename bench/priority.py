@@ -46,13 +46,20 @@ every policy's iteration time on the same trace (and the control's); the errors 
 reported per policy, and ``sim_gain_error`` is the predicted minus the measured gain of
 DynaRL's key over FIFO.
 
+**With the scheduler on** (``--scheduler-reps``, default 5; not with ``--url``): a second
+set on a two-device job — two pressure servers, each pinned to its core, shared by the
+rollout and a scorer that scores each episode as it ends — where the scheduler lends the
+idle scorer's device to the rollout and takes it back when scores queue up
+(``bench/_priority_moving.py``): a fixed-allocation run and every policy, rotated, with
+its own A/A noise; ``scheduler_on`` in the JSON.
+
 Last line, JSON: ``pressure``/``control`` figures, ``pressure_verified``, per policy
 ``iteration_s``, ``hit_rate``, ``reprefill_tokens``, ``max_overtakes`` (and the rest), and
 ``aa_noise``, ``priority_gain_over_fifo``, ``sim_gain_error``, and ``sim`` (the model, its
 digest, the profile, the predictions and their errors).
 
     .venv/bin/python bench/priority.py [--engine vllm|sglang] [--episodes N] [--kv N]
-        [--reps N] [--seed N]
+        [--reps N] [--scheduler-reps N] [--seed N]
 
 ``--url`` runs everything (control, profile, policies) on one running server instead of
 starting two, its KV read from it; with
@@ -79,6 +86,7 @@ from pathlib import Path
 from typing import Any
 
 from _priority_engines import CONTEXT_MARGIN, ENGINES, Engine
+from _priority_moving import moving_runs, moving_summary
 from _vllm_profile import FULL, QUICK, Grid, profile_engine
 
 from dynarl.backends.serving import EngineRollout
@@ -326,9 +334,8 @@ def predictions(
     return out
 
 
-def summary(runs: list[Run]) -> dict[str, Any]:
+def summary(figures: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians and spread of every figure over a policy's runs."""
-    figures = [r.figures() for r in runs]
     out: dict[str, Any] = {}
     for key in figures[0]:
         values = [f[key] for f in figures]
@@ -337,15 +344,25 @@ def summary(runs: list[Run]) -> dict[str, Any]:
     return out
 
 
-def positive(text: str) -> int:
-    """An argument that must be a whole number of at least 1."""
+def whole(text: str, least: int) -> int:
+    """An argument that must be a whole number of at least ``least``."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected at least {least}, got {value}")
     return value
+
+
+def positive(text: str) -> int:
+    """An argument that must be a whole number of at least 1."""
+    return whole(text, 1)
+
+
+def count(text: str) -> int:
+    """An argument that must be a whole number of at least 0."""
+    return whole(text, 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -357,6 +374,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="pressure run's KV: blocks (vLLM, default 16) or tokens (SGLang, default 2048)",
     )  # fmt: skip
     parser.add_argument("--reps", type=positive, default=5, help="rounds of every policy")
+    parser.add_argument(
+        "--scheduler-reps", type=count, default=5,
+        help="rounds of the set with the scheduler on (two servers; 0: none, as with --url)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--url", help="a running server for every run (its KV as it is)")
     parser.add_argument("--max-num-seqs", type=positive, default=MAX_NUM_SEQS)
@@ -386,13 +407,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         pressure, control, runs, profile, spec = asyncio.run(
             all_runs(setup, model, work, it, args.reps)
         )
+        moving = None
+        if args.url is None and args.scheduler_reps:
+            moving = asyncio.run(
+                moving_runs(
+                    ENGINES[args.engine], model, work / "scheduler-on", it,
+                    policies=POLICIES, reps=args.scheduler_reps, kv=setup.kv,
+                    seqs=setup.max_num_seqs, max_len=setup.max_model_len, vocab=VOCAB,
+                    max_overtakes=MAX_OVERTAKES,
+                )
+            )  # fmt: skip
     figures: dict[str, Any] = {"pressure": pressure.figures(), "control": control.figures()}
     figures["pressure_verified"] = (
         pressure.kv_peak >= 0.95
         and (pressure.preemptions > 0 or pressure.evicted_tokens > 0)
         and pressure.report.hit_rate < control.report.hit_rate
     )
-    policies = {name: summary(values) for name, values in runs.items()}
+    policies = {name: summary([r.figures() for r in values]) for name, values in runs.items()}
     fifo, fifo_aa = runs["fifo"], runs["fifo-aa"]
     noise = statistics.median(
         abs(a.report.wall_s - b.report.wall_s) / ((a.report.wall_s + b.report.wall_s) / 2)
@@ -439,6 +470,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         episodes=it.num_samples,
         turns_in_trace=int(it.turn_start[-1]),
     )
+    if moving is not None:
+        figures["scheduler_on"] = moving_summary(*moving, summary, MAX_OVERTAKES)
+        bound_held = bound_held and figures["scheduler_on"]["overtakes_within_bound"]
     sys.stdout.flush()
     print(json.dumps(figures))
     pressure_asked = setup.url is None

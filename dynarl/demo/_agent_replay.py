@@ -11,7 +11,11 @@ orders it by the component's request policy and admits up to ``max_inflight`` re
 engine. Each turn carries what a policy keys on: ``tool_calls`` (turns the episode has
 done), ``episode`` with ``affinity="prefer"`` (back to the engine that holds its prefix),
 ``attained_service`` (tokens the episode has generated), ``tool_ok`` (whether its last tool
-call succeeded).
+call succeeded). As it goes it tells the scheduler what is left
+(``Job.set_remaining``): the turns still to come. With ``score=``, each episode's whole
+context goes, as the episode ends, to an inference component that scores it (a reference
+model's log-probs), and the iteration ends with the last score; the scorer's remaining
+work is the scores handed to it and not yet back.
 
 :class:`ReplayReport` keeps, per turn, its prompt tokens, the part of them the engine had
 computed before for this episode (the last turn's whole context: ``reusable``), the tokens
@@ -67,9 +71,25 @@ class ReplayReport:
     """A replayed iteration."""
 
     wall_s: float
-    """Seconds from the first submission to the last episode's end."""
+    """Seconds from the first submission to the last episode's end (its score, when the
+    episodes were scored)."""
     turns: tuple[TurnRecord, ...]
     """Every turn, in the order they finished."""
+    rollout_s: float = 0.0
+    """Seconds from the first submission to the last turn's output (``wall_s`` unless the
+    episodes were scored after it)."""
+    score_spans: tuple[tuple[float, float], ...] = ()
+    """Each scored episode's score: when it was handed to the scorer and when it came
+    back, seconds from the replay's start (``replay_trace(score=...)``)."""
+
+    @property
+    def score_busy_s(self) -> float:
+        """Seconds during which at least one score was outstanding."""
+        busy, end = 0.0, float("-inf")
+        for start, stop in sorted(self.score_spans):
+            busy += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        return busy
 
     @property
     def hit_rate(self) -> float:
@@ -103,27 +123,67 @@ async def replay_trace(
     vocab: int,
     seed: int = 0,
     component: str = "rollout",
+    score: str | None = None,
     timeout_s: float = 600.0,
 ) -> ReplayReport:
     """Replay ``trace`` on ``job``'s ``component`` (see the module docstring); token ids in
-    ``[0, vocab)``. Raises BackendError when a turn fails or comes back short."""
+    ``[0, vocab)``. With ``score``, each episode's whole context is handed to that
+    component (an inference role: a reference model's or the old policy's log-probs) as
+    the episode ends, and the iteration ends with the last score. Raises BackendError when
+    a turn fails or comes back short, or a score comes back without log-probs."""
     replay = _Replay(trace, vocab=vocab, seed=seed)
     output = job.output(component)
+    n = trace.num_samples
+    turns_left, ended = int(trace.turn_start[-1]), 0
+    spans: list[tuple[float, float]] = []
+
+    def progress() -> None:
+        """What is left, for the scheduler: the rollout's turns (those still to come
+        included), the scorer's episodes handed to it and not scored yet."""
+        job.set_remaining(component, turns_left)
+        if score is not None:
+            job.set_remaining(score, ended - len(spans))
 
     async def tool(s: int, t: int) -> None:
         await asyncio.sleep(float(trace.tool_latency[t]))
         job.submit(component, [replay.next_turn(s, t)])
 
-    async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as tools:
-        job.submit(component, [replay.request(s) for s in range(trace.num_samples)])
-        left = trace.num_samples
-        while left:
-            t = replay.absorb(await output.get(timeout=timeout_s))
-            if t is None:
-                left -= 1
+    async def scores() -> None:
+        assert score is not None
+        channel = job.output(score)
+        while len(spans) < n:
+            sample = await channel.get(timeout=timeout_s)
+            if len(sample.logprobs) != len(sample.token_ids) - 4:
+                raise BackendError(
+                    f"replay: score {sample.sample_id} came back without a log-prob per token "
+                    f"({sample.metadata.get('finish')}: {sample.metadata.get('error')})"
+                )
+            spans.append((replay.submitted.pop(sample.sample_id), replay.clock()))
+            progress()
+
+    progress()
+    async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as tasks:
+        if score is not None:
+            tasks.create_task(scores())
+        job.submit(component, [replay.request(s) for s in range(n)])
+        while ended < n:
+            sample = await output.get(timeout=timeout_s)
+            t = replay.absorb(sample)
+            turns_left -= 1
+            if t is not None:
+                tasks.create_task(tool(*t))
             else:
-                tools.create_task(tool(*t))
-    return ReplayReport(wall_s=replay.clock(), turns=tuple(replay.records))
+                ended += 1
+                if score is not None:
+                    job.submit(score, [replay.episode(sample)])
+            progress()
+        rollout_s = replay.clock()
+    return ReplayReport(
+        wall_s=replay.clock(),
+        turns=tuple(replay.records),
+        rollout_s=rollout_s,
+        score_spans=tuple(spans),
+    )
 
 
 class _Replay:
@@ -176,6 +236,19 @@ class _Replay:
         self.contexts[s] = self.contexts[s] + observation
         self.turn[s] += 1
         return self.request(s)
+
+    def episode(self, sample: Sample) -> Sample:
+        """Episode ``sample``'s whole context (its last turn's output) to score."""
+        s = int(sample.metadata["replay_sample"] or 0)
+        sample_id = f"{self.trace.iteration}-{s}/score"
+        self.submitted[sample_id] = self.clock()
+        return Sample(
+            sample_id=sample_id,
+            token_ids=sample.token_ids,
+            prompt_len=int(self.trace.prompt[s]),
+            prompt_id=sample.prompt_id,
+            metadata={"episode": f"{self.trace.iteration}-{s}", "replay_sample": s},
+        )
 
     def absorb(self, sample: Sample) -> tuple[int, int] | None:
         """Record one finished turn; ``(episode, turn index)`` whose tool call runs next,

@@ -14,6 +14,7 @@ timeouts; no timing is asserted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import aiohttp
@@ -95,3 +96,49 @@ def test_an_inference_component_scores_what_the_rollout_generated(tmp_path: Path
             [token_logprob(tokens[:i], tokens[i]) for i in range(1, 4)], abs=1e-6
         )
         assert out.metadata["device"] == 1 and sample.metadata["device"] == 0
+
+
+def test_a_device_moves_between_a_rollout_and_a_scorer_sharing_its_engine(
+    tmp_path: Path,
+) -> None:
+    """Both components attach to the same server per device; a component giving a device
+    up pauses its engine (its role sleeps), so the one taking it must resume it — or what
+    it sends there waits forever (found on real SGLang: the drain of the move back timed
+    out, three times, and the job went into safe mode with the scorer starved)."""
+
+    async def main() -> None:
+        engines = [setup(tmp_path, f"server{d}").build(d) for d in (0, 1)]
+        async with contextlib.AsyncExitStack() as stack:
+            for engine in engines:
+                await engine.start()
+                stack.push_async_callback(engine.aclose)
+            shared = EngineSetup(
+                kind="sglang", urls={str(d): str(e.url) for d, e in enumerate(engines)}
+            ).to_options()
+            specs = [
+                ComponentSpec(role=EngineRollout, devices=(0,), options=shared, max_inflight=1),
+                ComponentSpec(
+                    role=EngineInference, devices=(1,), options=shared, max_inflight=1,
+                    min_devices=0,
+                ),
+            ]  # fmt: skip
+            runtime = RuntimeConfig(scheduler=SchedulerConfig(observe_only=True))
+            config = JobConfig(run_dir=str(tmp_path / "run"), runtime=runtime)
+            async with asyncio.timeout(120), Job(specs, config) as job:
+                assert (await job.move([1], src="inference", dst="rollout")).ok
+                requests = [
+                    GenerationRequest(
+                        sample_id=f"s{i}", token_ids=pack_tokens([3, i, 5]), max_new_tokens=64
+                    )
+                    for i in range(2 * NUM)
+                ]
+                job.submit("rollout", requests)
+                generated = await collect(job, "rollout", 2 * NUM)
+                assert {s.metadata["device"] for s in generated.values()} == {0, 1}
+                # Back to the scorer: the rollout's engine there is paused, the scorer's resumed.
+                assert (await job.move([1], src="rollout", dst="inference")).ok
+                job.submit("inference", list(generated.values()))
+                scored = await collect(job, "inference", 2 * NUM)
+                assert {s.metadata["device"] for s in scored.values()} == {1}
+
+    asyncio.run(main())

@@ -4,6 +4,7 @@ tests/engines/test_agent_replay.py)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import numpy as np
@@ -83,3 +84,25 @@ def test_turn_tokens_are_seeded_and_in_the_vocabulary(
     tokens = turn_tokens(seed, kind, index, length, 380)
     assert len(tokens) == length and all(0 <= t < 380 for t in tokens)
     assert tokens == turn_tokens(seed, kind, index, length, 380)
+
+
+spans = st.lists(
+    st.tuples(st.floats(0, 100), st.floats(0, 10)).map(lambda p: (p[0], p[0] + p[1])),
+    max_size=12,
+)
+
+
+@given(spans)
+def test_the_scorers_busy_time_is_the_union_of_its_spans(
+    score_spans: list[tuple[float, float]],
+) -> None:
+    busy = ReplayReport(wall_s=1.0, turns=(), score_spans=tuple(score_spans)).score_busy_s
+    # The union, measured another way: on a fine grid of the spans' own end points.
+    points = sorted({x for span in score_spans for x in span})
+    covered = sum(
+        b - a
+        for a, b in itertools.pairwise(points)
+        if any(start <= a and b <= stop for start, stop in score_spans)
+    )
+    assert busy == pytest.approx(covered, abs=1e-9)
+    assert busy <= sum(stop - start for start, stop in score_spans) + 1e-9

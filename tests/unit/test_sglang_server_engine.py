@@ -496,3 +496,17 @@ def test_sys_executable_is_the_default_interpreter() -> None:
     assert isinstance(engine, SGLangServerEngine) and engine.server is not None
     assert engine.server.config.python == sys.executable
     assert "--max-total-tokens" not in launch_command(engine.server.config, 1)
+
+
+def test_a_score_reply_may_report_the_largest_token_sent_as_zero_and_nothing_else() -> None:
+    """SGLang 0.5.23 reports the model's last token id (often EOS) as 0 in
+    ``input_token_logprobs`` (it clips ``x < vocab_size - 1``), its log-prob the sent
+    token's; any other difference is a reply for other tokens."""
+    from dynarl.backends.sglang._server_engine import _mismatch
+
+    eos = 383
+    assert _mismatch([5, 7, 0, 9, 0], [5, 7, eos, 9, eos]) == ""
+    assert _mismatch([5, 7, 9], [5, 7, 9]) == ""
+    assert _mismatch([5, 0, 9], [5, 7, 9]) == "token 1 of 3 is 0, 7 was sent"
+    assert _mismatch([5, 8, eos], [5, 7, eos]) == "token 1 of 3 is 8, 7 was sent"
+    assert _mismatch([5, 7], [5, 7, 9]) == "2 tokens for 3 sent"

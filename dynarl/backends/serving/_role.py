@@ -113,10 +113,15 @@ class _EngineRole(WorkerGroup, abstract=True):
         """Start this device's engine (BackendError naming it, with its log tail, if it
         cannot) and label its weights with version 0 — or, attached to a running server
         whose label is a version (a trainer pushed to it while no role drove it, e.g. while
-        this device trained), adopt that version."""
+        this device trained), adopt that version. An attached server is resumed first: the
+        device is this role's now, and a role that held it before (another component
+        attached to the same server, e.g. a scorer and a rollout sharing each device's
+        engine) paused it when it gave the device up and sleeps until it gets it back."""
         engine = self.setup.build(self.ctx.device, cpus=self.ctx.cpus)
         try:
             await engine.start()
+            if self.setup.urls:
+                await engine.resume()
             label = await engine.weight_version() if self.setup.urls else ""
             if _version(label) >= 0:
                 self.version = _version(label)

@@ -31,6 +31,7 @@ version spans that do not match the output, another request's id) raises
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import cast
 
@@ -132,8 +133,13 @@ class SGLangServerEngine(ServerEngine[SGLangServer, SGLangClient]):
         if result.aborted:
             raise BackendError(f"{what}: aborted ({result.finish_reason})")
         pairs = result.input_token_logprobs
-        if pairs is None or tuple(token for _, token in pairs) != request.token_ids:
-            raise BackendError(f"{what}: input_token_logprobs are not for the tokens sent")
+        if pairs is None:
+            raise BackendError(f"{what}: the reply has no input_token_logprobs")
+        wrong = _mismatch([t for _, t in pairs], request.token_ids)
+        if wrong:
+            raise BackendError(
+                f"{what}: input_token_logprobs are not for the tokens sent ({wrong})"
+            )
         values = [logprob for logprob, _ in pairs[1:]]
         if any(value is None for value in values):
             raise BackendError(f"{what}: a prompt token after the first has a null log-prob")
@@ -270,3 +276,18 @@ def _spans(result: GenerateResult, num_tokens: int) -> tuple[VersionSpan, ...]:
     )
     versions_of(spans, num_tokens)
     return spans
+
+
+def _mismatch(got: Sequence[int], sent: Sequence[int]) -> str:
+    """Where the token ids of a reply's ``input_token_logprobs`` part from those sent, in
+    words ("" where they agree). SGLang 0.5.23 reports the model's last token id
+    (``vocab_size - 1``, often EOS) as 0 there — it clips image-hash padding with
+    ``x < vocab_size - 1`` — while the log-prob is the sent token's (measured: the value
+    differs from token 0's); so a 0 may stand for the largest id sent."""
+    if len(got) != len(sent):
+        return f"{len(got)} tokens for {len(sent)} sent"
+    largest = max(sent, default=0)
+    for at, (a, b) in enumerate(zip(got, sent, strict=True)):
+        if a != b and not (a == 0 and b == largest):
+            return f"token {at} of {len(sent)} is {a}, {b} was sent"
+    return ""

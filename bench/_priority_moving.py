@@ -1,0 +1,289 @@
+"""``bench/priority.py``'s second run set: the policies with the scheduler on (issue 20).
+
+The first set holds the allocation fixed (one engine, the scheduler observing only), so
+that device moves do not confound request order. Here the scheduler acts. The job has two
+devices, each with a pressure server pinned to its own core, and two components that
+attach to both servers:
+
+- ``rollout`` (:class:`EngineRollout`, device 0) replays the trace, its queue ordered by
+  the policy under test;
+- ``inference`` (:class:`EngineInference`, device 1) scores each episode's whole context
+  as the episode ends (a reference model's log-probs), and the iteration ends with the
+  last score.
+
+The scorer idles until episodes end. After the donor window the scheduler lends its
+device to the rollout, which then drains two engines. Once scores queue up and the
+scorer has no device, the scheduler takes a device back, draining a rollout engine: its
+requests are aborted and continued on the other engine. The replay tells the scheduler
+what is left (``Job.set_remaining``): the rollout's turns, those still to come included,
+and the scores handed to the scorer and not yet back.
+
+The predictor's offline profiles come from a **fixed** run of the same job before the
+rounds, with the scheduler observing only: the rollout's turns per second on its one
+device (``items_per_device``: the engine's ``max_num_seqs``) and the scorer's episodes
+per second of busy time. ``fixed`` is also one of the runs of every round, so the set
+reports what reallocation itself gave (``reallocation_gain``: fixed over FIFO with the
+scheduler on) next to what each policy gives over FIFO, all against this set's own A/A
+noise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from _priority_engines import Engine
+
+from dynarl.backends.serving import EngineInference, EngineRollout, EngineSetup
+from dynarl.bus import DecisionRecord, MigrationRecord
+from dynarl.demo._agent_replay import ReplayReport, replay_trace
+from dynarl.runtime import ComponentSpec, Job, JobConfig, RuntimeConfig
+from dynarl.sched import (
+    ComponentProfile,
+    FifoPolicy,
+    ProfilePoint,
+    RequestPolicy,
+    SchedulerConfig,
+)
+from dynarl.sim import IterationTrace
+
+__all__ = ["MovingRun", "Profiles", "moving_runs", "moving_summary"]
+
+FIXED = "fixed"
+"""The run that keeps the allocation: rollout on device 0, the scorer on device 1."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Profiles:
+    """The predictor's offline profiles, measured on the fixed run."""
+
+    rollout_turns_per_s: float
+    """Turns per second of the rollout on its one device."""
+    scores_per_s: float
+    """Episodes scored per second of the scorer's busy time."""
+    items_per_device: int
+    """Requests one rollout engine runs at once."""
+
+    def components(self) -> dict[str, ComponentProfile]:
+        return {
+            "rollout": ComponentProfile(
+                points=(ProfilePoint(num_devices=1, throughput=self.rollout_turns_per_s),),
+                items_per_device=float(self.items_per_device),
+            ),
+            "inference": ComponentProfile(
+                points=(ProfilePoint(num_devices=1, throughput=self.scores_per_s),),
+            ),
+        }
+
+    @staticmethod
+    def measured(report: ReplayReport, items_per_device: int) -> Profiles:
+        """From a fixed run's replay; ValueError if it served or scored nothing."""
+        if not report.turns or report.rollout_s <= 0 or report.score_busy_s <= 0:
+            raise ValueError("the fixed run served or scored nothing: no profile to fit")
+        return Profiles(
+            rollout_turns_per_s=len(report.turns) / report.rollout_s,
+            scores_per_s=len(report.score_spans) / report.score_busy_s,
+            items_per_device=items_per_device,
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MovingRun:
+    """One replay with the scheduler on (or, for ``fixed``, observing)."""
+
+    report: ReplayReport
+    moves: int
+    """Committed decisions."""
+    migrations: int
+    """Committed migrations (a move is one per component it changes)."""
+    rolled_back: int
+    """Migrations undone."""
+    turns_on_lent_device: int
+    """Turns the rollout served on device 1 (the scorer's, lent to it)."""
+    max_overtakes: int
+
+    def figures(self) -> dict[str, Any]:
+        waits = sorted(self.report.waits_s)
+        return {
+            "iteration_s": round(self.report.wall_s, 3),
+            "rollout_s": round(self.report.rollout_s, 3),
+            "hit_rate": round(self.report.hit_rate, 4),
+            "reprefill_tokens": self.report.reprefill_tokens,
+            "moves": self.moves,
+            "migrations": self.migrations,
+            "rolled_back": self.rolled_back,
+            "turns_on_lent_device": self.turns_on_lent_device,
+            "max_overtakes": self.max_overtakes,
+            "wait_p50_s": round(statistics.median(waits), 3),
+            "wait_p99_s": round(waits[min(len(waits) - 1, int(0.99 * len(waits)))], 3),
+            "wait_max_s": round(waits[-1], 3),
+        }
+
+
+@contextlib.asynccontextmanager
+async def two_servers(
+    engine: Callable[[int], Engine], model: Path, work: Path, kv: int, seqs: int, max_len: int
+) -> AsyncIterator[dict[str, str]]:
+    """Two pressure servers, device ``d``'s pinned to core ``d``: device → URL."""
+    async with contextlib.AsyncExitStack() as stack:
+        urls = {}
+        for device in (0, 1):
+            serve = engine(device).serve(model, work / f"server{device}", kv, seqs, max_len)
+            urls[str(device)] = await stack.enter_async_context(serve)
+        yield urls
+
+
+def moving_job(
+    urls: Mapping[str, str],
+    work: Path,
+    policy: RequestPolicy,
+    *,
+    engine: Engine,
+    kv: int,
+    seqs: int,
+    max_overtakes: int,
+    profiles: Profiles | None,
+) -> Job:
+    """The two-device job on ``urls``; the scheduler acts when ``profiles`` are given."""
+    shared = EngineSetup(
+        kind=engine.kind, urls=dict(urls), max_num_seqs=seqs, ignore_eos=True
+    ).to_options()
+    known = profiles.components() if profiles is not None else {}
+    specs = [
+        ComponentSpec(
+            role=EngineRollout, devices=(0,), options=shared, max_inflight=seqs,
+            request_policy=policy, max_overtakes=max_overtakes,
+            prefix_cache=engine.prefix_cache(kv), profile=known.get("rollout"), min_devices=1,
+        ),
+        ComponentSpec(
+            role=EngineInference, devices=(1,), options=shared, max_inflight=seqs,
+            profile=known.get("inference"), min_devices=0,
+        ),
+    ]  # fmt: skip
+    scheduler = SchedulerConfig(observe_only=profiles is None)
+    runtime = RuntimeConfig(scheduler=scheduler)
+    return Job(specs, JobConfig(num_devices=2, run_dir=str(work), runtime=runtime))
+
+
+async def replay_moving(
+    urls: Mapping[str, str],
+    work: Path,
+    policy: RequestPolicy,
+    it: IterationTrace,
+    *,
+    engine: Engine,
+    kv: int,
+    seqs: int,
+    vocab: int,
+    max_overtakes: int,
+    profiles: Profiles | None,
+) -> MovingRun:
+    """One replay on a fresh two-device job, both prefix caches reset first."""
+    for url in urls.values():
+        await engine.reset_cache(url)
+    job = moving_job(
+        urls, work, policy, engine=engine, kv=kv, seqs=seqs, max_overtakes=max_overtakes,
+        profiles=profiles,
+    )  # fmt: skip
+    async with job:
+        report = await replay_trace(job, it, vocab=vocab, score="inference")
+        dispatcher = job.controller.manager("rollout").dispatcher
+        assert dispatcher is not None
+        records = list(job.ledger)
+    return MovingRun(
+        report=report,
+        moves=sum(isinstance(r, DecisionRecord) and r.committed for r in records),
+        migrations=sum(
+            isinstance(r, MigrationRecord) and r.outcome == "committed" for r in records
+        ),
+        rolled_back=sum(
+            isinstance(r, MigrationRecord) and r.outcome == "rolled_back" for r in records
+        ),
+        turns_on_lent_device=sum(t.device == 1 for t in report.turns),
+        max_overtakes=dispatcher.router.max_overtakes_seen,
+    )
+
+
+async def moving_runs(
+    engine: Callable[[int], Engine],
+    model: Path,
+    work: Path,
+    it: IterationTrace,
+    *,
+    policies: Mapping[str, RequestPolicy],
+    reps: int,
+    kv: int,
+    seqs: int,
+    max_len: int,
+    vocab: int,
+    max_overtakes: int,
+) -> tuple[Profiles, dict[str, list[MovingRun]]]:
+    """The fixed run that gives the profiles, then ``reps`` rounds of ``fixed`` and every
+    policy with the scheduler on, the order rotated every round."""
+    runs: dict[str, list[MovingRun]] = {FIXED: [], **{name: [] for name in policies}}
+    names = list(runs)
+    async with two_servers(engine, model, work, kv, seqs, max_len) as urls:
+        kind = engine(0)
+        common = dict(engine=kind, kv=kv, seqs=seqs, vocab=vocab, max_overtakes=max_overtakes)
+        first = await replay_moving(
+            urls, work / "profile", FifoPolicy(), it, profiles=None, **common
+        )
+        profiles = Profiles.measured(first.report, seqs)
+        print(f"scheduler on: profiles {profiles}", flush=True)
+        for rep in range(reps):
+            shift = rep % len(names)
+            for name in names[shift:] + names[:shift]:
+                policy = FifoPolicy() if name == FIXED else policies[name]
+                run = await replay_moving(
+                    urls, work / f"on-{name}-{rep}", policy, it,
+                    profiles=None if name == FIXED else profiles, **common,
+                )  # fmt: skip
+                runs[name].append(run)
+                print(
+                    f"scheduler on, round {rep + 1} {name:>8}: {run.report.wall_s:.2f} s, "
+                    f"{run.moves} moves",
+                    flush=True,
+                )
+    return profiles, runs
+
+
+def moving_summary(
+    profiles: Profiles,
+    runs: Mapping[str, Sequence[MovingRun]],
+    summary: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    max_overtakes: int,
+) -> dict[str, Any]:
+    """The set's figures: per run name medians and spreads, the A/A noise, every policy's
+    gain over FIFO and reallocation's (fixed over FIFO, both FIFO-ordered)."""
+    policies = {name: summary([r.figures() for r in values]) for name, values in runs.items()}
+    noise = statistics.median(
+        abs(a.report.wall_s - b.report.wall_s) / ((a.report.wall_s + b.report.wall_s) / 2)
+        for a, b in zip(runs["fifo"], runs["fifo-aa"], strict=True)
+    )
+    base = policies["fifo"]["iteration_s"]
+    gains = {name: base / p["iteration_s"] - 1.0 for name, p in policies.items() if name != FIXED}
+    for name, p in policies.items():
+        print(
+            f"on {name:>8}: iteration {p['iteration_s']:.2f} s {p['iteration_s_spread']}  "
+            f"hit {p['hit_rate']:.3f}  moves {p['moves']:.0f}  "
+            f"lent-device turns {p['turns_on_lent_device']:.0f}  wait p99 {p['wait_p99_s']:.2f} s"
+        )
+    return {
+        "profiles": {
+            "rollout_turns_per_s": round(profiles.rollout_turns_per_s, 3),
+            "scores_per_s": round(profiles.scores_per_s, 3),
+        },
+        "policies": policies,
+        "aa_noise": round(noise, 4),
+        "gains_over_fifo": {k: round(v, 4) for k, v in gains.items()},
+        "priority_gain_over_fifo": round(gains["dynarl"], 4),
+        "priority_gain_above_noise": abs(gains["dynarl"]) > noise,
+        "reallocation_gain": round(policies[FIXED]["iteration_s"] / base - 1.0, 4),
+        "overtakes_within_bound": all(
+            r.max_overtakes <= max_overtakes for v in runs.values() for r in v
+        ),
+    }
