@@ -83,12 +83,15 @@ bench: $(ENGINES_STAMP)
 	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
 
 # Request priority on a real engine (issue 20): verified cache pressure, five policies x
-# PRIORITY_REPS rounds, the simulator's predictions; ~16 minutes on SGLang. SGLang builds
-# its environment first; PRIORITY_ENGINE=vllm runs it on vLLM.
+# PRIORITY_REPS rounds, the simulator's predictions, then the policies with the scheduler
+# on (PRIORITY_SCHEDULER_REPS rounds, 0: none); ~30 minutes on SGLang. SGLang builds its
+# environment first; PRIORITY_ENGINE=vllm runs it on vLLM.
 PRIORITY_ENGINE ?= sglang
 PRIORITY_REPS ?= 5
+PRIORITY_SCHEDULER_REPS ?= 5
 bench-priority: $(ENGINES_STAMP) $(if $(filter sglang,$(PRIORITY_ENGINE)),sglang-env)
-	$(PY) bench/priority.py --engine $(PRIORITY_ENGINE) --reps $(PRIORITY_REPS)
+	$(PY) bench/priority.py --engine $(PRIORITY_ENGINE) --reps $(PRIORITY_REPS) \
+		--scheduler-reps $(PRIORITY_SCHEDULER_REPS)
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info .mypy_cache .ruff_cache .hypothesis

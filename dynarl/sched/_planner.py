@@ -8,8 +8,10 @@ mode freezes the last valid allocation (the pipeline runs on statically); it is 
 after ``max_failed_moves`` consecutive failed moves, when any component's median relative
 prediction error exceeds ``max_prediction_error`` over at least ``num_error_samples``
 samples, or on an operator command; it ends after ``safe_mode_cooldown_s`` or on an
-operator command. :class:`Safety` is immutable; every transition returns a new one and
-nothing here reads a clock.
+operator command. Safe mode (unless an operator's) does not hold a **starved** component —
+work left, no device — without one: such a round still takes Stage 2's choice if it lets
+every component finish (:func:`unblock`). :class:`Safety` is
+immutable; every transition returns a new one and nothing here reads a clock.
 
 Stage 2: :func:`decide` ranks the candidates (see :mod:`dynarl.sched._candidates`), takes the best
 one that saves strictly more than ``min_gain_s`` after its migration cost and whose TP
@@ -49,7 +51,7 @@ from dynarl.sched._graph import HyperNode
 from dynarl.sched._sched_config import SchedulerConfig
 from dynarl.sched._window import ComponentStats, DonorSignal
 
-__all__ = ["Safety", "decide", "finished_donors", "hold"]
+__all__ = ["Safety", "decide", "finished_donors", "hold", "starved", "unblock"]
 
 
 def decide(inputs: RoundInput) -> Decision:
@@ -143,6 +145,24 @@ def finished_donors(
     )
 
 
+def starved(stats: Mapping[str, ComponentStats], counts: Mapping[str, int]) -> tuple[str, ...]:
+    """Components with work left and no device: as the allocation stands, the job cannot
+    finish."""
+    return tuple(sorted(n for n, s in stats.items() if s.remaining > 0 and not counts.get(n)))
+
+
+def unblock(inputs: RoundInput, held: Decision) -> Decision:
+    """A held round's decision when a component is starved: Stage 2's choice if it lets
+    every component finish (an unbounded gain: :mod:`dynarl.sched._candidates`), else
+    ``held``. Safe mode keeps a running pipeline as it is; it must not keep a component
+    without the device it needs to finish (found on real SGLang: a scorer whose device
+    the rollout held waited out a 300 s cool-down)."""
+    decision = decide(inputs)
+    if decision.chosen is not None and math.isinf(decision.chosen.gain_s):
+        return decision
+    return held
+
+
 def hold(reason: DecisionReason, inputs: RoundInput) -> Decision:
     """A round that commits nothing for ``reason``, with the current predicted numbers."""
     return Decision(
@@ -187,6 +207,14 @@ class Safety:
         if wait > 0:
             return MinimumInterval(wait_s=wait)
         return None
+
+    def liveness_exempt(self, gate: HoldReason | None) -> bool:
+        """Whether a round held by ``gate`` may still give a starved component a device
+        (:func:`unblock`): safe mode the scheduler entered on its own holds the allocation
+        for the job's sake, never so that it cannot finish (its cool-down is minutes). An
+        operator's hold, a move in flight and the minimum interval (seconds; a starved
+        component waits it out) are kept."""
+        return isinstance(gate, SafeMode) and not self.operator_hold
 
     def started(self, decision_id: str) -> Safety:
         """A move was handed to the executor."""

@@ -7,7 +7,8 @@ that last handled its episode, whose prefix cache holds its context) and ``statu
 ``prefer_slack`` items busier than the least-loaded worker; otherwise the least-loaded,
 lowest index first — and queues it there. :meth:`DataRouter.priority_schedule` pops the
 next batch of one worker's queue (see :mod:`dynarl.sched._requests`). Removing a worker
-(a migration took its device) hands back everything queued on it, so nothing is lost.
+(a migration took its device) hands back everything queued on it, so nothing is lost;
+adding one lets it take its share of the others' backlog (:meth:`DataRouter.share_with`).
 Affinities are kept for the ``max_episodes`` most recently routed episodes (older ones are
 forgotten, so a long job's router stays bounded). Lives in the group manager's loop; not
 thread-safe.
@@ -17,8 +18,8 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from dynarl.sched._graph import Affinity
 from dynarl.sched._requests import QueuedRequest, RequestPolicy, RequestQueue
@@ -106,6 +107,33 @@ class DataRouter:
             raise ValueError(f"worker {worker} is already routed to")
         self._queues[worker] = RequestQueue(self._policy, max_overtakes=self._max_overtakes)
         self._in_flight[worker] = set()
+
+    def share_with(self, worker: int, context: Callable[[str], RoutedItem]) -> list[str]:
+        """Give ``worker`` (one that just joined) its share of the others' backlog: from
+        each worker holding more than ``prefer_slack`` items beyond it, the queued requests
+        it would run last (the largest keys; the latest arrival among equals; never one
+        that must stay), until the two are within the slack — where routing them now would
+        have put them. They run
+        without their cached prefix there (its cache holds nothing of theirs) and their
+        episodes stick to ``worker`` from now on. ``context``: a queued id's item. Returns
+        the ids moved; they queue at ``worker`` in their arrival order."""
+        target = self._queue(worker)
+        moved: list[QueuedRequest] = []
+        for other in self.workers:
+            if other == worker:
+                continue
+            queue = self._queues[other]
+            last_first = sorted(queue, key=lambda r: (queue.policy.key(r), r.seq), reverse=True)
+            for request in last_first:
+                if self.load(other) <= self.load(worker) + len(moved) + self.prefer_slack:
+                    break
+                if context(request.request_id).affinity is not Affinity.MUST:
+                    moved.append(queue.remove(request.request_id))
+        for request in sorted(moved, key=lambda r: r.seq):
+            item = context(request.request_id)
+            target.push(replace(request, cached_prefix=0))
+            self._remember(item.episode, worker, item.status)
+        return [r.request_id for r in moved]
 
     def remove_worker(self, worker: int) -> list[QueuedRequest]:
         """Stop routing to ``worker``; returns its queued requests, in arrival order.

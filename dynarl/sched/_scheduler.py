@@ -45,7 +45,7 @@ from dynarl.sched._events import (
 from dynarl.sched._graph import Hypergraph, HyperNode
 from dynarl.sched._ledger import Ledger
 from dynarl.sched._ledger_records import SafeModeRecord
-from dynarl.sched._planner import Safety, decide, finished_donors, hold
+from dynarl.sched._planner import Safety, decide, finished_donors, hold, starved, unblock
 from dynarl.sched._predictor import ThroughputPredictor
 from dynarl.sched._quota import plan_quota_change
 from dynarl.sched._sched_config import SchedulerConfig
@@ -279,6 +279,8 @@ class Scheduler:
         inputs = self._inputs(now, stats, donors)
         if gate is not None or (not donors and not self.free):
             decision = hold(gate or NoDonor(), inputs)
+            if self.safety.liveness_exempt(gate) and starved(stats, inputs.counts()):
+                decision = unblock(inputs, decision)
         else:
             decision = decide(inputs)
         return self._record(decision, now)

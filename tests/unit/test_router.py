@@ -98,3 +98,23 @@ def test_only_the_most_recent_episodes_keep_their_affinity() -> None:
     assert lost.assignment == () and "no previous worker" in lost.unroutable[0][1]
     with pytest.raises(ValueError, match="max_episodes"):
         DataRouter([0], max_episodes=0)
+
+
+def test_a_joining_worker_takes_the_backlog_that_would_run_last_down_to_the_slack() -> None:
+    router = DataRouter([0], prefer_slack=2)
+    items = {"i99": item(99, "e9")}  # episode e9 starts on worker 0 ...
+    items |= {f"i{i}": item(i, f"e{i}", Affinity.PREFER, status=i % 3) for i in range(9)}
+    items["i9"] = item(9, "e9", Affinity.MUST)  # ... and i9 must stay there
+    router.distribute_data(list(items.values()))
+    router.add_worker(1)
+    moved = router.share_with(1, items.__getitem__)
+    # DynaRL's key runs most tool calls first: the last to run are those with none, the
+    # latest arrival first (i9 must stay), then those with one.
+    assert moved == ["i6", "i3", "i0", "i99", "i7"]
+    assert [router.load(w) for w in router.workers] == [6, 5]  # 6 <= 5 + 2: within the slack
+    assert [r.request_id for r in router.queued(1)] == ["i99", "i0", "i3", "i6", "i7"]
+    assert all(r.cached_prefix == 0 for r in router.queued(1))
+    assert [router.status(f"e{i}")[0] for i in (9, 0, 3, 6, 7, 1)] == [1, 1, 1, 1, 1, 0]
+    router.add_worker(2)
+    router.remove_worker(2)
+    assert router.share_with(1, items.__getitem__) == []  # within the slack already

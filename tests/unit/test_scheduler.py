@@ -23,6 +23,7 @@ from dynarl.bus import (
 )
 from dynarl.sched import (
     Hypergraph,
+    HyperNode,
     Ledger,
     ManualClock,
     MigrationCommand,
@@ -36,7 +37,7 @@ from dynarl.sched import (
 )
 from dynarl.sched._events import QuotaChange
 from dynarl.sched._ledger_records import ObservationRecord
-from dynarl.types import Allocation, MigrationKind
+from dynarl.types import Allocation, ComponentKind, MigrationKind
 
 
 def make(**config: object) -> tuple[Scheduler, ManualClock]:
@@ -421,3 +422,50 @@ def test_a_finished_donor_is_moved_within_the_minimum_interval() -> None:
     assert when - s.safety.last_move_end < 60.0
     assert second.new_allocation.count("rollout") == 0
     assert second.new_allocation.count("trainer") == 16
+
+
+@pytest.mark.parametrize("gate", ["safe mode", "minimum interval", "operator"])
+def test_a_starved_component_gets_a_device_through_safe_mode_but_not_an_operators_hold(
+    gate: str,
+) -> None:
+    """A scorer with work and no device cannot finish; safe mode the scheduler entered
+    itself still gives it one (found on real SGLang: it waited out a 300 s cool-down);
+    an operator's hold does not, nor does the minimum interval (seconds: it waits)."""
+    clock = ManualClock()
+    scorer = HyperNode(name="scorer", kind=ComponentKind.INFERENCE, min_devices=0)
+    rollout = HyperNode(name="rollout", kind=ComponentKind.ROLLOUT, min_devices=1)
+    predictor = PowerLawPredictor({"rollout": (10.0, 1.0, 8.0), "scorer": (5.0, 1.0, 0.0)})
+    s = Scheduler(
+        graph={"rollout": rollout, "scorer": scorer},
+        allocation=Allocation.of({"rollout": [0, 1], "scorer": []}),
+        predictor=predictor,
+        cost=StaticMigrationCost(seconds={MigrationKind.WORKLOAD: 1.0}),
+        clock=clock,
+        config=SchedulerConfig(
+            min_move_interval_s=1000.0 if gate == "minimum interval" else 0.0,
+            num_error_samples=4,
+        ),
+    )
+    if gate == "safe mode":
+        predictor.errors["rollout"] = (0.9, 4)
+    elif gate == "operator":
+        s.handle(OperatorCommand(action="enter_safe_mode", reason="maintenance"))
+    else:  # a move the pipeline made itself, just now
+        s.handle(MoveOutcome(decision_id="op1", ok=True, allocation=s.allocation, external=True))
+    commands: list[MigrationCommand] = []
+    for _ in range(6):
+        t = clock.advance(1.0)
+        commands += s.handle(report("rollout", time=t, utilization=(0.05, 0.05), remaining=3))
+        commands += s.handle(
+            report("scorer", kind="inference", time=t, utilization=(), remaining=5, queue_depth=5)
+        )
+        if commands:
+            break
+    if gate != "safe mode":
+        assert commands == []
+        assert isinstance(decisions(s.ledger)[-1].reason, SafeMode | MinimumInterval)
+        return
+    assert s.safety.safe
+    (command,) = commands
+    assert command.new_allocation.count("scorer") >= 1
+    assert command.new_allocation.count("rollout") >= 1

@@ -157,15 +157,23 @@ class Dispatcher:
         return len(self._items)
 
     def add_worker(self, device: int) -> None:
-        """Route to ``device`` (its role is active); parked items go out at once."""
+        """Route to ``device`` (its role is active): it takes its share of what waits at
+        the other workers (:meth:`DataRouter.share_with`), and parked items go out at once."""
         if device not in self.router.workers:
             self.router.add_worker(device)
             self._inflight.setdefault(device, set())
+            shared = self.router.share_with(device, lambda item_id: self._items[item_id].routed)
+            if shared:
+                logger.info("%s: %d waiting items moved to %d", self.component, len(shared), device)
+                if self.shadows is not None:
+                    for worker in self.router.workers:
+                        self.shadows.rekey(self.router, worker, self._items)
         self._draining.discard(device)
         self._released.discard(device)
         self._lost.discard(device)
         parked, self._parked = self._parked, []
         self._route(parked)
+        self._pump()
 
     def submit(self, items: Sequence[Item]) -> None:
         """Accept ``items`` (delivered later to the output sink).
