@@ -51,7 +51,7 @@ from dynarl.sched import (
 )
 from dynarl.sim import IterationTrace
 
-__all__ = ["MovingRun", "Profiles", "moving_runs", "moving_summary"]
+__all__ = ["MovingRun", "Profiles", "moving_runs", "moving_summary", "wait_figures"]
 
 FIXED = "fixed"
 """The run that keeps the allocation: rollout on device 0, the scorer on device 1."""
@@ -107,7 +107,6 @@ class MovingRun:
     max_overtakes: int
 
     def figures(self) -> dict[str, Any]:
-        waits = sorted(self.report.waits_s)
         return {
             "iteration_s": round(self.report.wall_s, 3),
             "rollout_s": round(self.report.rollout_s, 3),
@@ -118,10 +117,18 @@ class MovingRun:
             "rolled_back": self.rolled_back,
             "turns_on_lent_device": self.turns_on_lent_device,
             "max_overtakes": self.max_overtakes,
-            "wait_p50_s": round(statistics.median(waits), 3),
-            "wait_p99_s": round(waits[min(len(waits) - 1, int(0.99 * len(waits)))], 3),
-            "wait_max_s": round(waits[-1], 3),
+            **wait_figures(self.report),
         }
+
+
+def wait_figures(report: ReplayReport) -> dict[str, float]:
+    """Median, 99th percentile and largest wait (submission to output) of a replay's turns."""
+    waits = sorted(report.waits_s)
+    return {
+        "wait_p50_s": round(statistics.median(waits), 3),
+        "wait_p99_s": round(waits[min(len(waits) - 1, int(0.99 * len(waits)))], 3),
+        "wait_max_s": round(waits[-1], 3),
+    }
 
 
 @contextlib.asynccontextmanager

@@ -86,7 +86,7 @@ from pathlib import Path
 from typing import Any
 
 from _priority_engines import CONTEXT_MARGIN, ENGINES, Engine
-from _priority_moving import moving_runs, moving_summary
+from _priority_moving import moving_runs, moving_summary, wait_figures
 from _vllm_profile import FULL, QUICK, Grid, profile_engine
 
 from dynarl.backends.serving import EngineRollout
@@ -165,7 +165,6 @@ class Run:
     shadow_error: float
 
     def figures(self) -> dict[str, Any]:
-        waits = sorted(self.report.waits_s)
         return {
             "iteration_s": round(self.report.wall_s, 3),
             "hit_rate": round(self.report.hit_rate, 4),
@@ -178,9 +177,7 @@ class Run:
             "shadow_exact": round(self.shadow_exact, 4),
             "shadow_error": round(self.shadow_error, 2),
             "turns": len(self.report.turns),
-            "wait_p50_s": round(statistics.median(waits), 3),
-            "wait_p99_s": round(waits[min(len(waits) - 1, int(0.99 * len(waits)))], 3),
-            "wait_max_s": round(waits[-1], 3),
+            **wait_figures(self.report),
         }
 
 
