@@ -11,20 +11,26 @@ attach to both servers:
   as the episode ends (a reference model's log-probs), and the iteration ends with the
   last score.
 
-The scorer idles until episodes end. After the donor window the scheduler lends its
-device to the rollout, which then drains two engines. Once scores queue up and the
-scorer has no device, the scheduler takes a device back, draining a rollout engine: its
-requests are aborted and continued on the other engine. The replay tells the scheduler
-what is left (``Job.set_remaining``): the rollout's turns, those still to come included,
-and the scores handed to the scorer and not yet back.
+The scorer idles until episodes end. The policy runs leave the dataflow undeclared (the
+scheduler does not know the scorer is fed by the rollout), so that devices move: after
+the donor window the scheduler lends the scorer's device to the rollout, which then
+drains two engines. Once scores queue up and the scorer has no device, the scheduler
+takes a device back, draining a rollout engine: its requests are aborted and continued
+on the other engine. The replay tells the scheduler what is left
+(``Job.set_remaining``): the rollout's turns, those still to come included, and the
+scores handed to the scorer and not yet back.
+
+``declared`` is the FIFO run with the dataflow declared (the scorer's
+``ComponentSpec.inputs`` names the rollout): the scheduler then keeps the scorer's one
+device while the rollout has turns left, what a job that states its pipeline gets.
 
 The predictor's offline profiles come from a **fixed** run of the same job before the
 rounds, with the scheduler observing only: the rollout's turns per second on its one
 device (``items_per_device``: the engine's ``max_num_seqs``) and the scorer's episodes
-per second of busy time. ``fixed`` is also one of the runs of every round, so the set
-reports what reallocation itself gave (``reallocation_gain``: fixed over FIFO with the
-scheduler on) next to what each policy gives over FIFO, all against this set's own A/A
-noise.
+per second of busy time. ``fixed`` and ``declared`` are runs of every round too, so the
+set reports what reallocation itself gave (``reallocation_gain``: fixed over FIFO with the
+scheduler on; ``declared_gain``: declared over FIFO) next to what each policy gives over
+FIFO, all against this set's own A/A noise.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ __all__ = ["MovingRun", "Profiles", "moving_runs", "moving_summary", "wait_figur
 
 FIXED = "fixed"
 """The run that keeps the allocation: rollout on device 0, the scorer on device 1."""
+DECLARED = "declared"
+"""The FIFO run with the scheduler on and the scorer's input declared."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,8 +162,10 @@ def moving_job(
     seqs: int,
     max_overtakes: int,
     profiles: Profiles | None,
+    declared: bool = False,
 ) -> Job:
-    """The two-device job on ``urls``; the scheduler acts when ``profiles`` are given."""
+    """The two-device job on ``urls``; the scheduler acts when ``profiles`` are given, and
+    knows the scorer is fed by the rollout when ``declared``."""
     shared = EngineSetup(
         kind=engine.kind, urls=dict(urls), max_num_seqs=seqs, ignore_eos=True
     ).to_options()
@@ -169,6 +179,7 @@ def moving_job(
         ComponentSpec(
             role=EngineInference, devices=(1,), options=shared, max_inflight=seqs,
             profile=known.get("inference"), min_devices=0,
+            inputs=("rollout",) if declared else (),
         ),
     ]  # fmt: skip
     scheduler = SchedulerConfig(observe_only=profiles is None)
@@ -188,13 +199,14 @@ async def replay_moving(
     vocab: int,
     max_overtakes: int,
     profiles: Profiles | None,
+    declared: bool = False,
 ) -> MovingRun:
     """One replay on a fresh two-device job, both prefix caches reset first."""
     for url in urls.values():
         await engine.reset_cache(url)
     job = moving_job(
         urls, work, policy, engine=engine, kv=kv, seqs=seqs, max_overtakes=max_overtakes,
-        profiles=profiles,
+        profiles=profiles, declared=declared,
     )  # fmt: skip
     async with job:
         report = await replay_trace(job, it, vocab=vocab, score="inference")
@@ -229,9 +241,9 @@ async def moving_runs(
     vocab: int,
     max_overtakes: int,
 ) -> tuple[Profiles, dict[str, list[MovingRun]]]:
-    """The fixed run that gives the profiles, then ``reps`` rounds of ``fixed`` and every
-    policy with the scheduler on, the order rotated every round."""
-    runs: dict[str, list[MovingRun]] = {FIXED: [], **{name: [] for name in policies}}
+    """The fixed run that gives the profiles, then ``reps`` rounds of ``fixed``,
+    ``declared`` and every policy with the scheduler on, the order rotated every round."""
+    runs: dict[str, list[MovingRun]] = {FIXED: [], DECLARED: [], **{n: [] for n in policies}}
     names = list(runs)
     async with two_servers(engine, model, work, kv, seqs, max_len) as urls:
         kind = engine(0)
@@ -244,10 +256,11 @@ async def moving_runs(
         for rep in range(reps):
             shift = rep % len(names)
             for name in names[shift:] + names[:shift]:
-                policy = FifoPolicy() if name == FIXED else policies[name]
+                policy = policies.get(name, FifoPolicy())
                 run = await replay_moving(
                     urls, work / f"on-{name}-{rep}", policy, it,
-                    profiles=None if name == FIXED else profiles, **common,
+                    profiles=None if name == FIXED else profiles, declared=name == DECLARED,
+                    **common,
                 )  # fmt: skip
                 runs[name].append(run)
                 print(
@@ -272,7 +285,11 @@ def moving_summary(
         for a, b in zip(runs["fifo"], runs["fifo-aa"], strict=True)
     )
     base = policies["fifo"]["iteration_s"]
-    gains = {name: base / p["iteration_s"] - 1.0 for name, p in policies.items() if name != FIXED}
+    gains = {
+        name: base / p["iteration_s"] - 1.0
+        for name, p in policies.items()
+        if name not in (FIXED, DECLARED)
+    }
     for name, p in policies.items():
         print(
             f"on {name:>8}: iteration {p['iteration_s']:.2f} s {p['iteration_s_spread']}  "
@@ -290,6 +307,7 @@ def moving_summary(
         "priority_gain_over_fifo": round(gains["dynarl"], 4),
         "priority_gain_above_noise": abs(gains["dynarl"]) > noise,
         "reallocation_gain": round(policies[FIXED]["iteration_s"] / base - 1.0, 4),
+        "declared_gain": round(base / policies[DECLARED]["iteration_s"] - 1.0, 4),
         "overtakes_within_bound": all(
             r.max_overtakes <= max_overtakes for v in runs.values() for r in v
         ),

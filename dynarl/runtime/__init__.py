@@ -30,7 +30,7 @@ from dynarl.runtime._cores import FOREIGN_LOAD_LIMIT, ForeignLoad, LoadMeter
 from dynarl.runtime._durable_run import DurableConfig, DurableRun, Recovery
 from dynarl.runtime._job import Job, JobConfig
 from dynarl.runtime._job_spec import JobSpec
-from dynarl.runtime._spec import ComponentSpec, RuntimeConfig
+from dynarl.runtime._spec import ComponentSpec, RuntimeConfig, pipeline_graph
 from dynarl.runtime._worker_protocol import (
     FINISH,
     PROMPT_LEN,
@@ -69,5 +69,6 @@ __all__ = [
     "RuntimeConfig",
     "decode_versions",
     "encode_versions",
+    "pipeline_graph",
     "stale_tokens",
 ]

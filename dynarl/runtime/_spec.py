@@ -11,7 +11,7 @@ elastic bounds). Pure data; built by the user, read by the controller.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dynarl.bus import MetaValue, WorkerGroup
@@ -19,6 +19,8 @@ from dynarl.migrate import Layout
 from dynarl.runtime._faults import Fault
 from dynarl.sched import (
     ComponentProfile,
+    HyperEdge,
+    Hypergraph,
     HyperNode,
     PrefixCache,
     RequestPolicy,
@@ -26,7 +28,7 @@ from dynarl.sched import (
 )
 from dynarl.types import ComponentKind, MigrationKind
 
-__all__ = ["ComponentSpec", "RuntimeConfig"]
+__all__ = ["ComponentSpec", "RuntimeConfig", "pipeline_graph"]
 
 _SERVING_KINDS = frozenset(
     {ComponentKind.ROLLOUT, ComponentKind.INFERENCE, ComponentKind.REWARD, ComponentKind.TOOL}
@@ -47,6 +49,10 @@ class ComponentSpec:
     """How its devices move (None: chosen from its kind and what its role implements)."""
     output: str = ""
     """Channel its served results are put into (serving components; default: its name)."""
+    inputs: tuple[str, ...] = ()
+    """Components whose results it consumes: the pipeline's dataflow edges, which the
+    scheduler plans with. While one of them has items of the iteration left, this component
+    keeps a replica (its work keeps coming). Empty: the scheduler sees no edge into it."""
     profile: ComponentProfile | None = None
     """What the throughput predictor knows before the job runs."""
     layout: Callable[[tuple[int, ...]], Layout] | None = None
@@ -81,6 +87,14 @@ class ComponentSpec:
             )
         if self.max_inflight < 1:
             raise ValueError(f"ComponentSpec.max_inflight must be >= 1, got {self.max_inflight}")
+        if not isinstance(self.inputs, tuple) or not all(
+            isinstance(n, str) and n for n in self.inputs
+        ):
+            raise ValueError(
+                f"ComponentSpec.inputs must be a tuple of component names, got {self.inputs!r}"
+            )
+        if self.name in self.inputs:
+            raise ValueError(f"ComponentSpec.inputs: component {self.name!r} names itself")
         if self.max_overtakes is not None and self.max_overtakes < 0:
             raise ValueError(
                 f"ComponentSpec.max_overtakes must be >= 0 or None, got {self.max_overtakes}"
@@ -144,6 +158,27 @@ class ComponentSpec:
             max_devices=high,
             tp=unit,
         )
+
+
+def pipeline_graph(specs: Sequence[ComponentSpec]) -> Hypergraph:
+    """The scheduler's graph of a job: each component's node, an edge from every input.
+
+    Raises ValueError naming a component whose inputs name no component of the job.
+    """
+    by_name = {spec.name: spec for spec in specs}
+    edges = []
+    for spec in specs:
+        unknown = sorted(set(spec.inputs) - set(by_name))
+        if unknown:
+            raise ValueError(
+                f"component {spec.name!r} has inputs {unknown} that are not components of "
+                f"the job (components: {sorted(by_name)})"
+            )
+        edges += [
+            HyperEdge(src=src, dst=spec.name, channel=by_name[src].output_channel)
+            for src in spec.inputs
+        ]
+    return Hypergraph.of((spec.node() for spec in specs), edges)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

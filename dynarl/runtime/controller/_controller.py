@@ -46,7 +46,7 @@ from dynarl.bus import (
 )
 from dynarl.errors import BusError, DynarlError, WorkerError
 from dynarl.runtime._faults import FaultInjector
-from dynarl.runtime._spec import ComponentSpec, RuntimeConfig
+from dynarl.runtime._spec import ComponentSpec, RuntimeConfig, pipeline_graph
 from dynarl.runtime._store import host_store
 from dynarl.runtime._worker_protocol import Done, Shutdown
 from dynarl.runtime.controller._coordinator import Coordinator
@@ -116,6 +116,7 @@ class Controller(AsyncResource):
         if len(set(names)) != len(names):
             raise ValueError(f"component names must be unique, got {names}")
         self.specs = {spec.name: spec for spec in specs}
+        self._graph = pipeline_graph(specs)
         self.config = config or RuntimeConfig()
         self.run_dir = run_dir
         initial = Allocation.of({spec.name: spec.devices for spec in specs})
@@ -223,7 +224,7 @@ class Controller(AsyncResource):
         self.cost = PlannerCost(layouts, bytes_per_s=self.config.transfer_bytes_per_s)
         held = {d for _, devs in self._initial.assignment for d in devs}
         self.scheduler = Scheduler(
-            graph={name: spec.node() for name, spec in self.specs.items()},
+            graph=self._graph,
             allocation=self._initial,
             predictor=(
                 self._predictor if self._predictor is not None else RegressionPredictor(profiles)
