@@ -50,6 +50,12 @@ than its context length less 6 (``max_req_input_len``), vLLM one that does not f
 ``max_model_len`` with its output; so a trace clipped to ``max_model_len`` fits both."""
 
 
+SCORE_POSITION = 1
+"""The position vLLM needs beyond a scored context: it scores a prompt by generating one
+token after it, so a whole episode of ``max_model_len`` tokens is refused (HTTP 400)
+unless the server has one more."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Counters:
     """One reading of an engine; the counts are since the server started."""
@@ -141,7 +147,7 @@ class VLLMEngine:
     ) -> AsyncIterator[str]:
         config = VLLMServerConfig(
             model=str(model), python=sys.executable, dtype="float32", enforce_eager=True,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len + SCORE_POSITION, max_num_seqs=max_num_seqs,
             num_gpu_blocks_override=kv, cpu_kvcache_space_gib=1,
             cpu_omp_threads_bind="nobind", omp_num_threads=1,
             cpus=() if self.core is None else (self.core,),

@@ -80,6 +80,7 @@ import json
 import statistics
 import sys
 import tempfile
+import traceback
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -362,58 +363,17 @@ def count(text: str) -> int:
     return whole(text, 0)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--episodes", type=positive, default=32, help="episodes (groups of 4)")
-    parser.add_argument("--engine", choices=sorted(ENGINES), default="vllm")
-    parser.add_argument(
-        "--kv", "--kv-blocks", type=positive, dest="kv",
-        help="pressure run's KV: blocks (vLLM, default 16) or tokens (SGLang, default 2048)",
-    )  # fmt: skip
-    parser.add_argument("--reps", type=positive, default=5, help="rounds of every policy")
-    parser.add_argument(
-        "--scheduler-reps", type=count, default=5,
-        help="rounds of the set with the scheduler on (two servers; 0: none, as with --url)",
-    )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--url", help="a running server for every run (its KV as it is)")
-    parser.add_argument("--max-num-seqs", type=positive, default=MAX_NUM_SEQS)
-    parser.add_argument("--max-model-len", type=positive, default=MAX_MODEL_LEN)
-    parser.add_argument("--quick-profile", action="store_true", help="the fewest points")
-    args = parser.parse_args(argv)
-    engine: Engine = ENGINES[args.engine]()
-    group = min(4, args.episodes)
-    it = trace(max(1, args.episodes // group), group, args.seed, args.max_model_len)
-    with tempfile.TemporaryDirectory(prefix="dynarl-priority-") as tmp:
-        work = Path(tmp)
-        if args.url is None:
-            kv = args.kv or engine.default_kv
-            setup = Setup(engine=engine, kv=kv, control_kv=engine.ample_kv)
-            model = write_tiny_llama(
-                work / "model", seed=0,
-                max_position_embeddings=args.max_model_len + CONTEXT_MARGIN,
-            )  # fmt: skip
-        else:
-            kv = engine.server_kv(args.url)
-            setup = Setup(engine=engine, kv=kv, control_kv=kv, url=args.url)
-            model = work / "unused"
-        setup = dataclasses.replace(
-            setup, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-            grid=QUICK if args.quick_profile else FULL,
-        )  # fmt: skip
-        pressure, control, runs, profile, spec = asyncio.run(
-            all_runs(setup, model, work, it, args.reps)
-        )
-        moving = None
-        if args.url is None and args.scheduler_reps:
-            moving = asyncio.run(
-                moving_runs(
-                    ENGINES[args.engine], model, work / "scheduler-on", it,
-                    policies=POLICIES, reps=args.scheduler_reps, kv=setup.kv,
-                    seqs=setup.max_num_seqs, max_len=setup.max_model_len, vocab=VOCAB,
-                    max_overtakes=MAX_OVERTAKES,
-                )
-            )  # fmt: skip
+def first_set(
+    pressure: Run,
+    control: Run,
+    runs: dict[str, list[Run]],
+    profile: EngineProfile,
+    spec: RolloutSpec,
+    setup: Setup,
+    it: IterationTrace,
+) -> tuple[dict[str, Any], bool]:
+    """The fixed-allocation set's figures (printed as it goes) and whether every run kept
+    the overtake bound."""
     figures: dict[str, Any] = {"pressure": pressure.figures(), "control": control.figures()}
     figures["pressure_verified"] = (
         pressure.kv_peak >= 0.95
@@ -459,17 +419,80 @@ def main(argv: Sequence[str] | None = None) -> int:
             "predicted": predicted,
             "predicted_gain_over_fifo": round(sim_gain, 4),
         },
-        engine=engine.kind,
+        engine=setup.engine.kind,
         kv=setup.kv,
-        kv_unit=engine.unit,
+        kv_unit=setup.engine.unit,
         url=setup.url,
-        reps=args.reps,
         episodes=it.num_samples,
         turns_in_trace=int(it.turn_start[-1]),
     )
-    if moving is not None:
-        figures["scheduler_on"] = moving_summary(*moving, summary, MAX_OVERTAKES)
-        bound_held = bound_held and figures["scheduler_on"]["overtakes_within_bound"]
+    return figures, bound_held
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--episodes", type=positive, default=32, help="episodes (groups of 4)")
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="vllm")
+    parser.add_argument(
+        "--kv", "--kv-blocks", type=positive, dest="kv",
+        help="pressure run's KV: blocks (vLLM, default 16) or tokens (SGLang, default 2048)",
+    )  # fmt: skip
+    parser.add_argument("--reps", type=positive, default=5, help="rounds of every policy")
+    parser.add_argument(
+        "--scheduler-reps", type=count, default=5,
+        help="rounds of the set with the scheduler on (two servers; 0: none, as with --url)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--url", help="a running server for every run (its KV as it is)")
+    parser.add_argument("--max-num-seqs", type=positive, default=MAX_NUM_SEQS)
+    parser.add_argument("--max-model-len", type=positive, default=MAX_MODEL_LEN)
+    parser.add_argument("--quick-profile", action="store_true", help="the fewest points")
+    args = parser.parse_args(argv)
+    engine: Engine = ENGINES[args.engine]()
+    group = min(4, args.episodes)
+    it = trace(max(1, args.episodes // group), group, args.seed, args.max_model_len)
+    with tempfile.TemporaryDirectory(prefix="dynarl-priority-") as tmp:
+        work = Path(tmp)
+        if args.url is None:
+            kv = args.kv or engine.default_kv
+            setup = Setup(engine=engine, kv=kv, control_kv=engine.ample_kv)
+            model = write_tiny_llama(
+                work / "model", seed=0,
+                max_position_embeddings=args.max_model_len + CONTEXT_MARGIN,
+            )  # fmt: skip
+        else:
+            kv = engine.server_kv(args.url)
+            setup = Setup(engine=engine, kv=kv, control_kv=kv, url=args.url)
+            model = work / "unused"
+        setup = dataclasses.replace(
+            setup, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+            grid=QUICK if args.quick_profile else FULL,
+        )  # fmt: skip
+        pressure, control, runs, profile, spec = asyncio.run(
+            all_runs(setup, model, work, it, args.reps)
+        )
+        figures, bound_held = first_set(pressure, control, runs, profile, spec, setup, it)
+        figures.update(reps=args.reps)
+        # The first set's figures are printed before the second set starts: a failure
+        # there loses nothing of them.
+        print(f"fixed allocation: {json.dumps(figures)}", flush=True)
+        if args.url is None and args.scheduler_reps:
+            try:
+                moving = asyncio.run(
+                    moving_runs(
+                        ENGINES[args.engine], model, work / "scheduler-on", it,
+                        policies=POLICIES, reps=args.scheduler_reps, kv=setup.kv,
+                        seqs=setup.max_num_seqs, max_len=setup.max_model_len, vocab=VOCAB,
+                        max_overtakes=MAX_OVERTAKES,
+                    )
+                )  # fmt: skip
+            except Exception as exc:  # reported in the JSON; the exit status is 1
+                traceback.print_exc()
+                figures["scheduler_on"] = {"error": f"{type(exc).__name__}: {exc}"}
+                bound_held = False
+            else:
+                figures["scheduler_on"] = moving_summary(*moving, summary, MAX_OVERTAKES)
+                bound_held = bound_held and figures["scheduler_on"]["overtakes_within_bound"]
     sys.stdout.flush()
     print(json.dumps(figures))
     pressure_asked = setup.url is None
