@@ -28,7 +28,7 @@ import contextlib
 import re
 import sys
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -73,6 +73,10 @@ class Counters:
     reports none)."""
 
 
+KvMeter = Callable[[], Awaitable[float]]
+"""Reads an engine's KV use now (share of its pool the running requests hold)."""
+
+
 class Engine(Protocol):
     """What the bench needs of an engine (see the module docstring)."""
 
@@ -91,6 +95,10 @@ class Engine(Protocol):
         ...
 
     async def counters(self, url: str) -> Counters: ...
+
+    def kv_meter(self, url: str) -> contextlib.AbstractAsyncContextManager[KvMeter]:
+        """One client open for a run's KV polls; yields what reads the KV use."""
+        ...
 
     async def reset_cache(self, url: str) -> None: ...
 
@@ -163,6 +171,15 @@ class VLLMEngine:
             kv_usage=load.kv_cache_usage, preemptions=load.num_preemptions,
             prefix_queries=load.prefix_cache_queries, prefix_hits=load.prefix_cache_hits,
         )  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def kv_meter(self, url: str) -> AsyncIterator[KvMeter]:
+        async with VLLMClient(VLLMClientConfig(base_url=url)) as client:
+
+            async def usage() -> float:
+                return (await client.load()).kv_cache_usage
+
+            yield usage
 
     async def reset_cache(self, url: str) -> None:
         async with VLLMClient(VLLMClientConfig(base_url=url)) as client:
@@ -257,6 +274,16 @@ class SGLangEngine:
             prefix_hits=int(_summed(text, "sglang:cached_tokens_total")),
             evicted_tokens=int(_summed(text, "sglang:evicted_tokens_total")),
         )
+
+    @contextlib.asynccontextmanager
+    async def kv_meter(self, url: str) -> AsyncIterator[KvMeter]:
+        async with SGLangClient(ClientConfig(base_url=url)) as client:
+
+            async def usage() -> float:
+                loads = await client.loads()
+                return max((load.token_usage for load in loads.loads), default=0.0)
+
+            yield usage
 
     async def reset_cache(self, url: str) -> None:
         async with SGLangClient(ClientConfig(base_url=url)) as client:

@@ -233,9 +233,10 @@ async def replay_in(job: Job, engine: Engine, url: str, it: IterationTrace) -> R
     peak = [0.0]
 
     async def poll() -> None:
-        while True:
-            peak[0] = max(peak[0], (await engine.counters(url)).kv_usage)
-            await asyncio.sleep(0.05)
+        async with engine.kv_meter(url) as usage:
+            while True:
+                peak[0] = max(peak[0], await usage())
+                await asyncio.sleep(0.05)
 
     async with asyncio.TaskGroup() as group:
         poller = group.create_task(poll())
