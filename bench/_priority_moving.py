@@ -30,7 +30,7 @@ device (``items_per_device``: the engine's ``max_num_seqs``) and the scorer's ep
 per second of busy time. ``fixed`` and ``declared`` are runs of every round too, so the
 set reports what reallocation itself gave (``reallocation_gain``: fixed over FIFO with the
 scheduler on; ``declared_gain``: declared over FIFO) next to what each policy gives over
-FIFO, all against this set's own A/A noise.
+FIFO, all paired by round (``paired_gain``) and against this set's own A/A noise.
 """
 
 from __future__ import annotations
@@ -137,6 +137,30 @@ def wait_figures(report: ReplayReport) -> dict[str, float]:
         "wait_p99_s": round(waits[min(len(waits) - 1, int(0.99 * len(waits)))], 3),
         "wait_max_s": round(waits[-1], 3),
     }
+
+
+def round_walls(runs: Mapping[str, Sequence[Any]]) -> dict[str, list[float]]:
+    """Run name → its iteration times in round order (``runs``' items have ``.report``)."""
+    return {name: [r.report.wall_s for r in values] for name, values in runs.items()}
+
+
+def aa_noise(walls: Mapping[str, Sequence[float]]) -> float:
+    """The noise floor: the median over rounds of the two FIFO runs' relative difference."""
+    return statistics.median(
+        abs(a - b) / ((a + b) / 2) for a, b in zip(walls["fifo"], walls["fifo-aa"], strict=True)
+    )
+
+
+def paired_gain(walls: Mapping[str, Sequence[float]], slower: str, faster: str) -> float:
+    """How much faster ``faster`` ran than ``slower``, paired by round: the median over
+    rounds of ``slower``'s time over ``faster``'s, less one.
+
+    A round runs every name back to back, so a host that slows down between rounds slows
+    both sides of each ratio. The ratio of the medians would not cancel it: on one SGLang
+    run FIFO took 12.9 s in round 1 and 19.2 s in round 5, and the run that came first in
+    the one slow round where it ran before the slow-down held the smallest median.
+    """
+    return statistics.median(s / f - 1.0 for s, f in zip(walls[slower], walls[faster], strict=True))
 
 
 @contextlib.asynccontextmanager
@@ -280,15 +304,10 @@ def moving_summary(
     """The set's figures: per run name medians and spreads, the A/A noise, every policy's
     gain over FIFO and reallocation's (fixed over FIFO, both FIFO-ordered)."""
     policies = {name: summary([r.figures() for r in values]) for name, values in runs.items()}
-    noise = statistics.median(
-        abs(a.report.wall_s - b.report.wall_s) / ((a.report.wall_s + b.report.wall_s) / 2)
-        for a, b in zip(runs["fifo"], runs["fifo-aa"], strict=True)
-    )
-    base = policies["fifo"]["iteration_s"]
+    walls = round_walls(runs)
+    noise = aa_noise(walls)
     gains = {
-        name: base / p["iteration_s"] - 1.0
-        for name, p in policies.items()
-        if name not in (FIXED, DECLARED)
+        name: paired_gain(walls, "fifo", name) for name in runs if name not in (FIXED, DECLARED)
     }
     for name, p in policies.items():
         print(
@@ -306,8 +325,8 @@ def moving_summary(
         "gains_over_fifo": {k: round(v, 4) for k, v in gains.items()},
         "priority_gain_over_fifo": round(gains["dynarl"], 4),
         "priority_gain_above_noise": abs(gains["dynarl"]) > noise,
-        "reallocation_gain": round(policies[FIXED]["iteration_s"] / base - 1.0, 4),
-        "declared_gain": round(base / policies[DECLARED]["iteration_s"] - 1.0, 4),
+        "reallocation_gain": round(paired_gain(walls, FIXED, "fifo"), 4),
+        "declared_gain": round(paired_gain(walls, "fifo", DECLARED), 4),
         "overtakes_within_bound": all(
             r.max_overtakes <= max_overtakes for v in runs.values() for r in v
         ),

@@ -25,7 +25,9 @@ PLAS (``LeastAttainedServicePolicy`` over the episode's attained service) and C-
 cache reset before every run, the scheduler observing only (a fixed allocation). Per
 policy: medians and spread (min–max) of the iteration time, hit rate, re-prefilled tokens,
 preemptions, waits (p50/p99/max) and the most overtakes a request suffered (asserted
-``<= max_overtakes``). A gain over FIFO is claimed only above the A/A spread.
+``<= max_overtakes``). A gain over FIFO is paired by round (the median over rounds of FIFO's
+time over the policy's, less one: a host that slows between rounds cancels out) and claimed
+only above the A/A spread.
 
 The DynaRL key's cached-prefix term comes from the dispatcher's shadow of the engine's
 cache (``ComponentSpec.prefix_cache``: vLLM's 128-token blocks, SGLang's tokens), checked
@@ -43,15 +45,19 @@ decaying reserve and retraction, token-granular reuse, a prompt cached when its 
 batch ends) — which is frozen and named by its hash
 (``sim.model_digest``) before the policies run. ``dynarl.sim.replay_rollout`` then predicts
 every policy's iteration time on the same trace (and the control's); the errors are
-reported per policy, and ``sim_gain_error`` is the predicted minus the measured gain of
-DynaRL's key over FIFO.
+reported per policy (``error``: against the measured median; ``gain_error``: the predicted
+gain over FIFO less the paired measured one, which the host's speed does not move), and
+``sim_gain_error`` is DynaRL's key's ``gain_error``.
 
 **With the scheduler on** (``--scheduler-reps``, default 5; not with ``--url``): a second
 set on a two-device job — two pressure servers, each pinned to its core, shared by the
 rollout and a scorer that scores each episode as it ends — where the scheduler lends the
 idle scorer's device to the rollout and takes it back when scores queue up
-(``bench/_priority_moving.py``): a fixed-allocation run and every policy, rotated, with
-its own A/A noise; ``scheduler_on`` in the JSON.
+(``bench/_priority_moving.py``): a fixed-allocation run, a ``declared`` run (FIFO, the
+scorer's input declared: the scheduler keeps its device) and every policy, rotated, with
+its own A/A noise; ``scheduler_on`` in the JSON. The first set's figures are printed
+(``fixed allocation: {...}``) before the second set starts, and a failure there is the
+JSON's ``scheduler_on.error`` (exit status 1).
 
 Last line, JSON: ``pressure``/``control`` figures, ``pressure_verified``, per policy
 ``iteration_s``, ``hit_rate``, ``reprefill_tokens``, ``max_overtakes`` (and the rest), and
@@ -87,7 +93,14 @@ from pathlib import Path
 from typing import Any
 
 from _priority_engines import CONTEXT_MARGIN, ENGINES, Engine
-from _priority_moving import moving_runs, moving_summary, wait_figures
+from _priority_moving import (
+    aa_noise,
+    moving_runs,
+    moving_summary,
+    paired_gain,
+    round_walls,
+    wait_figures,
+)
 from _vllm_profile import FULL, QUICK, Grid, profile_engine
 
 from dynarl.backends.serving import EngineRollout
@@ -382,13 +395,9 @@ def first_set(
         and pressure.report.hit_rate < control.report.hit_rate
     )
     policies = {name: summary([r.figures() for r in values]) for name, values in runs.items()}
-    fifo, fifo_aa = runs["fifo"], runs["fifo-aa"]
-    noise = statistics.median(
-        abs(a.report.wall_s - b.report.wall_s) / ((a.report.wall_s + b.report.wall_s) / 2)
-        for a, b in zip(fifo, fifo_aa, strict=True)
-    )
-    base = policies["fifo"]["iteration_s"]
-    gains = {name: base / p["iteration_s"] - 1.0 for name, p in policies.items()}
+    walls = round_walls(runs)
+    noise = aa_noise(walls)
+    gains = {name: paired_gain(walls, "fifo", name) for name in runs}
     for name, p in policies.items():
         claim = "above noise" if abs(gains[name]) > noise else "within noise"
         print(
@@ -402,8 +411,16 @@ def first_set(
     measured = {name: p["iteration_s"] for name, p in policies.items()}
     predicted = predictions(spec, it, measured, control.report.wall_s, setup)
     sim_gain = predicted["fifo"]["iteration_s"] / predicted["dynarl"]["iteration_s"] - 1.0
+    for name in POLICIES:
+        # The gain the model predicts over FIFO against the paired measured gain: free of
+        # the host's speed, which moves the absolute errors.
+        p = predicted[name]
+        p["gain_error"] = round(
+            predicted["fifo"]["iteration_s"] / p["iteration_s"] - 1.0 - gains[name], 4
+        )
     for name, p in predicted.items():
-        print(f"sim {name:>8}: {p['iteration_s']:.2f} s (error {p['error']:+.1%})")
+        gain = f", gain error {p['gain_error']:+.1%}" if "gain_error" in p else ""
+        print(f"sim {name:>8}: {p['iteration_s']:.2f} s (error {p['error']:+.1%}{gain})")
     figures.update(
         policies=policies,
         aa_noise=round(noise, 4),
