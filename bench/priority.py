@@ -27,7 +27,8 @@ policy: medians and spread (min–max) of the iteration time, hit rate, re-prefi
 preemptions, waits (p50/p99/max) and the most overtakes a request suffered (asserted
 ``<= max_overtakes``). A gain over FIFO is paired by round (the median over rounds of FIFO's
 time over the policy's, less one: a host that slows between rounds cancels out) and claimed
-only above the A/A spread.
+only above the A/A spread (``aa_noise``: the largest relative difference of the FIFO pair
+over the rounds; ``aa_noise_median`` beside it).
 
 The DynaRL key's cached-prefix term comes from the dispatcher's shadow of the engine's
 cache (``ComponentSpec.prefix_cache``: vLLM's 128-token blocks, SGLang's tokens), checked
@@ -94,6 +95,7 @@ from typing import Any
 
 from _priority_engines import CONTEXT_MARGIN, ENGINES, Engine
 from _priority_moving import (
+    aa_differences,
     aa_noise,
     moving_runs,
     moving_summary,
@@ -424,6 +426,7 @@ def first_set(
     figures.update(
         policies=policies,
         aa_noise=round(noise, 4),
+        aa_noise_median=round(statistics.median(aa_differences(walls)), 4),
         gains_over_fifo={k: round(v, 4) for k, v in gains.items()},
         priority_gain_over_fifo=round(gains["dynarl"], 4),
         priority_gain_above_noise=abs(gains["dynarl"]) > noise,
