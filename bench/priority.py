@@ -432,7 +432,7 @@ def first_set(
         priority_gain_above_noise=abs(gains["dynarl"]) > noise,
         max_overtakes_bound=MAX_OVERTAKES,
         overtakes_within_bound=bound_held,
-        sim_gain_error=round(sim_gain - gains["dynarl"], 4),
+        sim_gain_error=predicted["dynarl"]["gain_error"],
         sim={
             "model": dataclasses.asdict(spec),
             "model_digest": spec_digest(spec),
